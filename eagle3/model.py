@@ -1,0 +1,225 @@
+"""The EAGLE-3 draft model, in one file: config, layers, and the training-time-test step.
+
+Shapes follow the checkpoints the engines load (REFERENCE.md section 1). Parameter names are
+the speculators/vLLM-internal ones (`layers.0.*`); `eagle3/formats.py` maps them to `midlayer.*`
+for SGLang. One draft step:
+
+    h0 = fc(cat(aux_1..aux_n))                      # [T, H] from the verifier's aux states
+    layer 0:  residual = h; x = cat(input_layernorm(embed(tok)), hidden_norm(h))
+              h = residual + attn(x); h = h + mlp(post_attention_layernorm(h))
+    logits = lm_head(norm(h))                       # draft vocabulary; target id = i + d2t[i]
+    the pre-norm h is the next step's hidden input.
+
+With `norm_before_residual` the residual is `hidden_norm(h)` instead (speculators' default;
+SGLang cannot serve it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class DraftModelConfig:
+    hidden_size: int
+    """Drafter width; must equal the verifier's embedding width (the embedding is shared)."""
+    target_hidden_size: int
+    """Verifier hidden size (width of each aux state)."""
+    num_aux: int
+    """Aux states concatenated into `fc` (3 for EAGLE-3)."""
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    num_layers: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    vocab_size: int
+    """Verifier vocabulary (rows of the frozen embedding)."""
+    draft_vocab_size: int
+    """Rows of `lm_head`."""
+    norm_before_residual: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "DraftModelConfig":
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables `[..., T, head_dim]` for integer `positions` `[..., T]` (Llama layout)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
+                                             dtype=torch.float32) / head_dim))
+    freqs = positions.float()[..., None] * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    """Llama attention that also attends to the same position's earlier TTT steps.
+
+    Step k's query at position t sees the step-0 keys allowed by `mask` (causal, same document)
+    plus the keys of steps 1..k at position t itself ("diagonal" keys). Scores are [T, T + k]
+    per head: the (steps*T)^2 mask of a naive implementation is never built.
+    """
+
+    def __init__(self, cfg: DraftModelConfig, input_size: int):
+        super().__init__()
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_proj = nn.Linear(input_size, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(input_size, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(input_size, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]]
+                ) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        rep = self.n_heads // self.n_kv
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        cache.append((k, v))
+        scale = 1.0 / math.sqrt(self.head_dim)
+        k0, v0 = cache[0]
+        scores = torch.matmul(q, k0.transpose(-1, -2)) * scale            # [B, h, T, T]
+        scores = scores.masked_fill(~mask, float("-inf"))
+        if len(cache) > 1:
+            diag = torch.stack([(q * kj).sum(-1) for kj, _ in cache[1:]], dim=-1) * scale
+            scores = torch.cat([scores, diag], dim=-1)                     # [B, h, T, T + k]
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        out = torch.matmul(probs[..., :T], v0)
+        for j, (_, vj) in enumerate(cache[1:]):
+            out = out + probs[..., T + j, None] * vj
+        out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DraftModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Layer 0 takes cat(embedding, hidden) (2H wide); later layers are plain Llama layers."""
+
+    def __init__(self, cfg: DraftModelConfig, first: bool):
+        super().__init__()
+        H = cfg.hidden_size
+        self.first = first
+        self.norm_before_residual = cfg.norm_before_residual
+        self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        if first:
+            self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, 2 * H if first else H)
+        self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h: torch.Tensor, embeds: Optional[torch.Tensor], cos: torch.Tensor,
+                sin: torch.Tensor, mask: torch.Tensor,
+                cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        if self.first:
+            normed = self.hidden_norm(h)
+            residual = normed if self.norm_before_residual else h
+            x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
+        else:
+            residual = h
+            x = self.input_layernorm(h)
+        h = residual + self.self_attn(x, cos, sin, mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3DraftModel(nn.Module):
+    def __init__(self, cfg: DraftModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)  # the verifier's, frozen
+        self.fc = nn.Linear(cfg.num_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, first=(i == 0))
+                                    for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+
+    def new_cache(self) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Per-layer key/value lists: entry j holds TTT step j's keys and values."""
+        return [[] for _ in self.layers]
+
+    def project(self, aux: torch.Tensor) -> torch.Tensor:
+        """Verifier aux states `[B, T, n_aux*Ht]` -> initial draft hidden state `[B, T, H]`."""
+        return self.fc(aux)
+
+    def step(self, h: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
+             mask: torch.Tensor, cache: list[list[tuple[torch.Tensor, torch.Tensor]]]
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft step: returns (pre-norm hidden for the next step, draft-vocab logits).
+
+        h `[B, T, H]`, input_ids `[B, T]` (the token after each aux position, shifted by the
+        step), positions `[B, T]` (RoPE positions, + step), mask `[B or 1, 1, T, T]` bool over
+        step-0 keys. `cache` carries earlier steps' keys; call with a fresh one at step 0.
+        """
+        embeds = self.embed_tokens(input_ids).to(h.dtype)
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
+        cos, sin = cos[:, None], sin[:, None]
+        for layer, layer_cache in zip(self.layers, cache):
+            h = layer(h, embeds, cos, sin, mask, layer_cache)
+            embeds = None
+        return h, self.lm_head(self.norm(h))
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """Everything a checkpoint ships: all weights but the (frozen, verifier-owned) embedding,
+        plus the d2t/t2d vocabulary maps."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
+
+
+def causal_doc_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """`[B, T]` document ids -> `[B, 1, T, T]` bool: key <= query within the same document."""
+    T = doc_ids.shape[-1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+    same = doc_ids[:, :, None] == doc_ids[:, None, :]
+    return (causal & same)[:, None]

@@ -1,0 +1,84 @@
+"""Shared test fixtures: offline mode, seeds, and the two test verifiers.
+
+- `tiny_verifier`: a tiny random Llama (4 layers, hidden 64) saved as an HF directory with the
+  real SmolLM2 tokenizer and chat template, so every stage runs on it in seconds.
+- `smollm2`: the real SmolLM2-135M-Instruct directory (prepared once by eagle3.verifiers).
+"""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parents[1]
+
+TINY_HIDDEN = 64
+TINY_LAYERS = 4
+TINY_HEADS = 4
+TINY_KV_HEADS = 2
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: end-to-end tests with real models and servers")
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    from eagle3.verifiers import prepare_smollm2
+    return prepare_smollm2()
+
+
+@pytest.fixture(scope="session")
+def tiny_verifier(tmp_path_factory, smollm2) -> Path:
+    """A random 4-layer Llama with SmolLM2's tokenizer (vocab 49152) and chat template."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny_verifier")
+    torch.manual_seed(1234)
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    cfg = LlamaConfig(hidden_size=TINY_HIDDEN, intermediate_size=128,
+                      num_hidden_layers=TINY_LAYERS, num_attention_heads=TINY_HEADS,
+                      num_key_value_heads=TINY_KV_HEADS, vocab_size=len(tok),
+                      max_position_embeddings=2048, tie_word_embeddings=False,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id)
+    model = LlamaForCausalLM(cfg)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def make_config(tmp_path: Path, verifier: Path, **sections):
+    """A Config for `verifier` writing under `tmp_path`; `sections` override section dicts,
+    e.g. make_config(tmp, v, data={"num_samples": 8})."""
+    from eagle3.config import config_from_dict
+
+    raw = {"run": {"name": "test", "dir": str(tmp_path / "runs")},
+           "verifier": {"path": str(verifier), "dtype": "float32"},
+           "data": {"num_samples": 8, "max_seq_len": 256},
+           "generate": {"max_new_tokens": 16, "batch_size": 4, "chunk_size": 4},
+           "hidden_states": {"shard_samples": 3, "dtype": "float32"},
+           "vocab": {"draft_vocab_size": 512},
+           "train": {"epochs": 1, "ttt_steps": 3, "batch_tokens": 512, "checkpoint_every": 2,
+                     "log_every": 1, "val_fraction": 0.25, "lr": 1e-3}}
+    for name, values in sections.items():
+        raw.setdefault(name, {}).update(values)
+    cfg_file = tmp_path / "config.yaml"
+    import yaml
+    cfg_file.write_text(yaml.safe_dump(raw))
+    return config_from_dict(raw, source=str(cfg_file))
+
+
+@pytest.fixture
+def tiny_config(tmp_path, tiny_verifier):
+    return make_config(tmp_path, tiny_verifier)
