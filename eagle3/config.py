@@ -477,6 +477,11 @@ def _check_type(name: str, value: Any, tp: Any) -> Any:
         return {_check_type(name, k, args[0]): _check_type(f"{name}.{k}", v, args[1])
                 for k, v in value.items()}
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads `3e-4` (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{name}: must be a number, got {value!r}")
         return float(value)

@@ -1,0 +1,114 @@
+"""Stage 03: the draft vocabulary, from loss-masked token counts.
+
+    python 03_build_vocab_map.py configs/smollm2-135m-cpu.yaml
+
+Counts only supervised (assistant, loss_mask = 1) tokens, keeps the `draft_vocab_size` most
+frequent (end-of-turn/EOS always in), pads with the lowest unseen ids when fewer distinct tokens
+were seen, and writes `03_vocab/vocab.safetensors`:
+  d2t [Vd] int64 OFFSETS: target_id = i + d2t[i]  (what vLLM and SGLang both expect)
+  t2d [V]  bool mask of target ids in the draft vocabulary
+plus the coverage of the supervised token mass.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from eagle3.runs import Stage, atomic_path
+
+log = logging.getLogger("eagle3")
+
+VOCAB_FILE = "vocab.safetensors"
+
+
+def count_tokens(input_ids: list[np.ndarray], loss_masks: list[np.ndarray],
+                 vocab_size: int) -> np.ndarray:
+    """Counts of each token id over positions with loss_mask == 1 (vectorized per sample)."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for ids, mask in zip(input_ids, loss_masks):
+        counts += np.bincount(np.asarray(ids)[np.asarray(mask) == 1], minlength=vocab_size)
+    return counts
+
+
+def build_vocab_map(counts: np.ndarray, draft_vocab_size: int,
+                    always_include: list[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-`draft_vocab_size` ids by count (ties to the lower id) -> (d2t offsets, t2d mask)."""
+    V = len(counts)
+    Vd = min(draft_vocab_size, V)
+    forced = [i for i in dict.fromkeys(always_include) if 0 <= i < V][:Vd]
+    # Sort by count descending, id ascending: stable argsort of -counts does exactly that, and
+    # unseen ids (count 0) follow in ascending order, which is the padding rule.
+    order = np.argsort(-counts, kind="stable")
+    chosen = list(forced)
+    taken = set(forced)
+    for i in order:
+        if len(chosen) == Vd:
+            break
+        if int(i) not in taken:
+            chosen.append(int(i))
+            taken.add(int(i))
+    selected = torch.tensor(sorted(chosen), dtype=torch.long)
+    d2t = selected - torch.arange(Vd, dtype=torch.long)
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[selected] = True
+    return d2t, t2d
+
+
+def draft_to_target_ids(d2t: torch.Tensor) -> torch.Tensor:
+    return torch.arange(len(d2t), dtype=torch.long) + d2t
+
+
+def coverage(counts: np.ndarray, t2d: torch.Tensor) -> float:
+    total = counts.sum()
+    return float(counts[t2d.numpy()].sum() / total) if total else 0.0
+
+
+def load_vocab(directory: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    t = load_file(str(directory / VOCAB_FILE))
+    return t["d2t"], t["t2d"]
+
+
+def end_of_turn_ids(verifier_path: Path) -> list[int]:
+    """EOS / end-of-turn ids the draft vocabulary must contain (the drafter must predict them)."""
+    from transformers import AutoTokenizer, GenerationConfig
+    tok = AutoTokenizer.from_pretrained(verifier_path)
+    ids = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    try:
+        gen_eos = GenerationConfig.from_pretrained(verifier_path).eos_token_id
+    except OSError:  # no generation_config.json
+        gen_eos = None
+    ids += gen_eos if isinstance(gen_eos, list) else ([gen_eos] if gen_eos is not None else [])
+    return list(dict.fromkeys(ids))
+
+
+def run_vocab(stage: Stage) -> None:
+    from datasets import load_from_disk
+
+    cfg = stage.cfg
+    stage.require(1)
+    started = time.time()
+    info = cfg.verifier_info
+    ds = load_from_disk(str(stage.upstream(1).dir / "dataset")).with_format("numpy")
+    counts = count_tokens(ds["input_ids"], ds["loss_mask"], info.vocab_size)
+    eot = end_of_turn_ids(cfg.verifier_path)
+    d2t, t2d = build_vocab_map(counts, cfg.vocab.draft_vocab_size, eot)
+    cov = coverage(counts, t2d)
+    seen = int((counts > 0).sum())
+    log.info("draft vocab %d of %d ids; %d distinct supervised tokens seen; coverage of the "
+             "supervised token mass %.2f%%", len(d2t), info.vocab_size, seen, 100 * cov)
+    stage.dir.mkdir(parents=True, exist_ok=True)
+    with atomic_path(stage.dir / VOCAB_FILE) as tmp:
+        save_file({"d2t": d2t, "t2d": t2d}, str(tmp))
+    stage.write_manifest(
+        inputs={"01_data": stage.upstream_hash(1)},
+        outputs={"vocab": VOCAB_FILE},
+        counts={"draft_vocab_size": len(d2t), "vocab_size": info.vocab_size,
+                "supervised_tokens": int(counts.sum()), "distinct_supervised_tokens": seen,
+                "coverage": round(cov, 6), "end_of_turn_ids": eot},
+        started=started)

@@ -1,0 +1,114 @@
+"""Config strictness, overrides, derived values, and every YAML under configs/ loads."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eagle3.config import ConfigError, config_from_dict, default_aux_layer_ids, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def fake_verifier(tmp_path: Path, layers: int = 30, nested: bool = False) -> Path:
+    d = tmp_path / "verifier"
+    d.mkdir(exist_ok=True)
+    text = {"hidden_size": 64, "num_hidden_layers": layers, "vocab_size": 1000,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+            "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 512}
+    raw = {"architectures": ["KimiK25ForConditionalGeneration"], "text_config": text,
+           "vision_config": {}} if nested else {"architectures": ["LlamaForCausalLM"], **text}
+    (d / "config.json").write_text(json.dumps(raw))
+    return d
+
+
+def base(tmp_path, **extra):
+    raw = {"run": {"name": "r", "dir": str(tmp_path)},
+           "verifier": {"path": str(fake_verifier(tmp_path))}}
+    for k, v in extra.items():
+        raw.setdefault(k, {}).update(v)
+    return raw
+
+
+def write(tmp_path, raw) -> Path:
+    p = tmp_path / "c.yaml"
+    p.write_text(yaml.safe_dump(raw))
+    return p
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").rglob("*.yaml")),
+                         ids=lambda p: str(p.relative_to(REPO)))
+def test_every_config_loads(path):
+    cfg = load_config(path)
+    assert cfg.run.name and cfg.verifier.path
+
+
+def test_derived_values(tmp_path):
+    cfg = config_from_dict(base(tmp_path))
+    info = cfg.verifier_info
+    assert (info.hidden_size, info.num_hidden_layers, info.vocab_size) == (64, 30, 1000)
+    assert info.aux_layer_ids == (2, 15, 27) == tuple(default_aux_layer_ids(30))
+    assert info.head_dim == 16
+
+
+def test_multimodal_wrapper_reads_text_config(tmp_path):
+    raw = base(tmp_path)
+    fake_verifier(tmp_path, layers=61, nested=True)
+    assert config_from_dict(raw).verifier_info.aux_layer_ids == (2, 30, 58)
+
+
+@pytest.mark.parametrize("raw_extra, message", [
+    ({"train": {"lrr": 1.0}}, "did you mean `train.lr`"),
+    ({"trian": {"lr": 1.0}}, "did you mean `train`"),
+    ({"train": {"lr": "fast"}}, "train.lr: must be a number"),
+    ({"train": {"epochs": 1.5}}, "train.epochs: must be an integer"),
+    ({"train": {"epochs": 0}}, "train.epochs must be > 0"),
+    ({"train": {"keep": 1}}, "train.keep must be >= 2"),
+    ({"draft": {"norm_before_residual": "no"}}, "must be true or false"),
+    ({"generate": {"engine": "tgi"}}, "generate.engine: must be one of"),
+    ({"verifier": {"aux_layer_ids": [2, 2, 5]}}, "must be distinct"),
+    ({"verifier": {"aux_layer_ids": [5, 2, 9]}}, "ascending"),
+])
+def test_bad_values_name_the_field(tmp_path, raw_extra, message):
+    raw = base(tmp_path)
+    for k, v in raw_extra.items():
+        raw.setdefault(k, {}).update(v)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        config_from_dict(raw)
+
+
+@pytest.mark.parametrize("ids", [[0, 2, 5], [2, 15, 31]])
+def test_aux_ids_outside_layer_range_fail(tmp_path, ids):
+    cfg = config_from_dict(base(tmp_path, verifier={"aux_layer_ids": ids}))
+    with pytest.raises(ConfigError, match=r"outside \[1, 30\]"):
+        cfg.verifier_info
+
+
+def test_overrides_are_typed(tmp_path):
+    p = write(tmp_path, base(tmp_path))
+    cfg = load_config(p, ["train.lr=3e-4", "train.epochs=2", "verifier.aux_layer_ids=[1,4,9]",
+                          "bench.extra_args=[--enforce-eager]", "train.finetune_from=/x/y"])
+    assert cfg.train.lr == 3e-4 and cfg.train.epochs == 2
+    assert cfg.verifier.aux_layer_ids == [1, 4, 9]
+    assert cfg.bench.extra_args == ["--enforce-eager"]
+    assert cfg.train.finetune_from == "/x/y"
+    with pytest.raises(ConfigError, match="did you mean `train.epochs`"):
+        load_config(p, ["train.epoch=2"])
+    with pytest.raises(ConfigError, match="must be an integer"):
+        load_config(p, ["train.epochs=two"])
+    with pytest.raises(ConfigError, match="section.key=value"):
+        load_config(p, ["epochs=2"])
+
+
+def test_missing_required(tmp_path):
+    with pytest.raises(ConfigError, match="missing section `verifier:`"):
+        config_from_dict({"run": {"name": "x"}})
+    with pytest.raises(ConfigError, match="missing required key `run.name`"):
+        config_from_dict({"run": {}, "verifier": {"path": "x"}})
+
+
+def test_missing_verifier_says_how_to_fix(tmp_path):
+    cfg = config_from_dict({"run": {"name": "x"}, "verifier": {"path": str(tmp_path / "nope")}})
+    with pytest.raises(ConfigError, match="no config.json"):
+        cfg.verifier_info

@@ -1,0 +1,176 @@
+"""The TTT loss and metrics against a naive reference with an explicit (steps*T)^2 mask."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eagle3.model import DraftModelConfig, Eagle3DraftModel, apply_rope, rope_cos_sin
+from eagle3.train import StepStats, collate, make_teacher, pack, ttt_forward
+
+V, VD, H, HT, NAUX = 96, 40, 32, 24, 3
+
+
+def tiny_model(norm_before_residual=False, num_layers=1) -> Eagle3DraftModel:
+    cfg = DraftModelConfig(hidden_size=H, target_hidden_size=HT, num_aux=NAUX,
+                           intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=8, num_layers=num_layers, rms_norm_eps=1e-6,
+                           rope_theta=10000.0, max_position_embeddings=256, vocab_size=V,
+                           draft_vocab_size=VD, norm_before_residual=norm_before_residual)
+    torch.manual_seed(0)
+    m = Eagle3DraftModel(cfg)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+        selected = torch.sort(torch.randperm(V)[:VD]).values
+        m.d2t.copy_(selected - torch.arange(VD))
+        m.t2d.zero_()
+        m.t2d[selected] = True
+    return m.double()
+
+
+def samples(lengths):
+    out = []
+    for L in lengths:
+        out.append({"input_ids": torch.randint(0, V, (L,)),
+                    "loss_mask": (torch.rand(L) > 0.3).long(),
+                    "aux": torch.randn(L, NAUX * HT, dtype=torch.float64),
+                    "final": torch.randn(L, HT, dtype=torch.float64)})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Naive reference: one document at a time, keys of all steps concatenated, explicit mask.
+
+
+def naive_layer(layer, h, emb, pos, keys, values, step, T, nbr):
+    normed = layer.hidden_norm(h)
+    residual = normed if nbr else h
+    x = torch.cat([layer.input_layernorm(emb), normed], -1)
+    a = layer.self_attn
+    q = a.q_proj(x).view(T, a.n_heads, a.head_dim).transpose(0, 1)
+    k = a.k_proj(x).view(T, a.n_kv, a.head_dim).transpose(0, 1)
+    v = a.v_proj(x).view(T, a.n_kv, a.head_dim).transpose(0, 1)
+    cos, sin = rope_cos_sin(pos, a.head_dim, 10000.0, h.dtype)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    rep = a.n_heads // a.n_kv
+    keys.append(k.repeat_interleave(rep, 0))
+    values.append(v.repeat_interleave(rep, 0))
+    K = torch.cat(keys, dim=1)      # [h, (step+1)*T, d]
+    Vv = torch.cat(values, dim=1)
+    mask = torch.zeros(T, (step + 1) * T, dtype=torch.bool)
+    for t in range(T):
+        mask[t, :t + 1] = True                      # step-0 keys, causal
+        for j in range(1, step + 1):
+            mask[t, j * T + t] = True               # own earlier steps, same position
+    s = (q @ K.transpose(-1, -2)) / math.sqrt(a.head_dim)
+    s = s.masked_fill(~mask, float("-inf"))
+    o = torch.softmax(s, -1) @ Vv
+    h = residual + a.o_proj(o.transpose(0, 1).reshape(T, -1))
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def naive_doc(model, s, lm_head, steps, decay, nbr):
+    """Per-step sums for one document, from the written-out definition."""
+    T = len(s["input_ids"])
+    ids, mask = s["input_ids"], s["loss_mask"].bool()
+    full = s["final"] @ lm_head.T                   # verifier logits at every position
+    draft_ids = torch.arange(VD) + model.d2t
+    h = model.fc(s["aux"])
+    keys, values = [], []
+    out = {"ce": [], "n": [], "correct": [], "alive": []}
+    alive = torch.ones(T, dtype=torch.bool)
+    for k in range(steps):
+        inp = torch.tensor([ids[t + 1 + k] if t + 1 + k < T else 0 for t in range(T)])
+        h = naive_layer(model.layers[0], h, model.embed_tokens(inp), torch.arange(T) + k,
+                        keys, values, k, T, nbr)
+        logits = model.lm_head(model.norm(h))
+        ce_sum, n, correct = 0.0, 0, torch.zeros(T, dtype=torch.bool)
+        for t in range(T):
+            src, tgt = t + 1 + k, t + 2 + k
+            if tgt >= T or not mask[tgt]:
+                continue
+            n += 1
+            teacher = full[src]
+            arg = int(teacher.argmax())
+            pred = int(draft_ids[logits[t].argmax()])
+            correct[t] = pred == arg
+            if model.t2d[arg]:
+                p = torch.softmax(teacher[draft_ids], -1)
+                ce_sum = ce_sum - (p * torch.log_softmax(logits[t], -1)).sum()
+        alive = alive & correct
+        out["ce"].append(ce_sum)
+        out["n"].append(n)
+        out["correct"].append(int(correct.sum()))
+        out["alive"].append(int(alive.sum()))
+    return out
+
+
+@pytest.mark.parametrize("nbr", [False, True])
+@pytest.mark.parametrize("lengths", [[13], [9, 6, 11]])
+def test_ttt_matches_naive_reference(lengths, nbr):
+    steps, decay = 4, 0.8
+    model = tiny_model(norm_before_residual=nbr)
+    lm_head = torch.randn(V, HT, dtype=torch.float64)
+    docs = samples(lengths)
+    batch = collate(docs, max_tokens=1000)
+    teacher = make_teacher(batch.final, lm_head, torch.arange(VD) + model.d2t)
+    loss, stats = ttt_forward(model, batch, teacher, steps, decay)
+
+    refs = [naive_doc(model, d, lm_head, steps, decay, nbr) for d in docs]
+    ref_loss = 0.0
+    for k in range(steps):
+        n = sum(r["n"][k] for r in refs)
+        ce = sum(r["ce"][k] for r in refs)
+        ref_loss = ref_loss + decay ** k * ce / max(n, 1)
+        assert stats.counted[k] == n
+        assert stats.correct[k] == sum(r["correct"][k] for r in refs)
+        assert stats.full[k] == sum(r["alive"][k] for r in refs)
+    torch.testing.assert_close(loss, torch.as_tensor(ref_loss, dtype=loss.dtype),
+                               rtol=1e-6, atol=1e-6)  # loss math runs in fp32
+
+
+def test_packing_does_not_leak_between_documents():
+    """A document's loss is the same alone and packed after another document."""
+    model = tiny_model()
+    lm_head = torch.randn(V, HT, dtype=torch.float64)
+    a, b = samples([10, 12])
+    draft_ids = torch.arange(VD) + model.d2t
+    alone = collate([b], 1000)
+    packed = collate([a, b], 1000)
+    _, s_alone = ttt_forward(model, alone, make_teacher(alone.final, lm_head, draft_ids), 3, 0.8)
+    _, s_a = ttt_forward(model, collate([a], 1000),
+                         make_teacher(collate([a], 1000).final, lm_head, draft_ids), 3, 0.8)
+    _, s_packed = ttt_forward(model, packed, make_teacher(packed.final, lm_head, draft_ids), 3,
+                              0.8)
+    for k in range(3):
+        assert s_packed.counted[k] == s_alone.counted[k] + s_a.counted[k]
+        assert s_packed.correct[k] == s_alone.correct[k] + s_a.correct[k]
+
+
+def test_gradients_reach_every_trainable_weight():
+    model = tiny_model(num_layers=2).float()
+    lm_head = torch.randn(V, HT)
+    batch = collate([{k: (v.float() if v.is_floating_point() else v) for k, v in s.items()}
+                     for s in samples([16])], 1000)
+    loss, _ = ttt_forward(model, batch, make_teacher(batch.final, lm_head,
+                                                     torch.arange(VD) + model.d2t), 3, 0.8)
+    loss.backward()
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            assert p.grad is not None and p.grad.abs().sum() > 0, name
+    assert model.embed_tokens.weight.grad is None
+
+
+def test_metrics_definitions():
+    s = StepStats(loss=[0.0] * 3, counted=[10, 9, 8], correct=[8, 6, 4], full=[8, 5, 2])
+    m = s.metrics()
+    assert m["acc"] == [0.8, round(6 / 9, 5), 0.5]
+    assert m["full_acc"] == [0.8, 0.5, 0.2]
+    assert m["cond_acc"] == [0.8, round(5 / 8, 5), 0.4]
+    assert m["est_accept_len"] == pytest.approx(2.5)
+
+
+def test_pack_respects_budget_and_order():
+    assert pack([5, 5, 5, 20], [0, 1, 2, 3], 10) == [[0, 1], [2], [3]]
