@@ -222,6 +222,9 @@ class ExportConfig:
     sglang_aux_offset: Literal["post-25454", "pre-25454"] = "post-25454"
     """SGLang version convention for aux ids: `post-25454` (May 2026+) uses ids as-is (when the
     first id != 1); `pre-25454` adds +1 to every id, so ids are written minus one."""
+    dtype: Optional[Literal["bfloat16", "float16", "float32"]] = "bfloat16"
+    """Dtype of the exported weights (d2t/t2d keep int64/bool). Engines serve in bf16 and warn
+    on every float32 tensor they cast at load; null keeps the checkpoint's dtype."""
 
 
 @dataclass(frozen=True)
@@ -303,6 +306,9 @@ def read_verifier_info(verifier: VerifierConfig) -> VerifierInfo:
     text = raw.get("text_config") or raw.get("language_config") or raw
     n = text["num_hidden_layers"]
     ids = verifier.aux_layer_ids or default_aux_layer_ids(n)
+    if verifier.aux_layer_ids is None and len(set(ids)) != len(ids):
+        raise ConfigError(f"verifier.aux_layer_ids: the default (2, N//2, N-3) gives {ids} for a "
+                          f"{n}-layer verifier; set distinct ascending ids explicitly")
     bad = [j for j in ids if not 1 <= j <= n]
     if bad:
         raise ConfigError(f"verifier.aux_layer_ids: {bad} outside [1, {n}] (HF "

@@ -82,11 +82,11 @@ def _move_aside(path: Path) -> Path:
 def export_format(out: Path, fmt: str, tensors: dict[str, Any], draft: DraftModelConfig,
                   aux: list[int], verifier_path: str, verifier_arch: str,
                   convention: formats.SglangConvention, speculative_tokens: int,
-                  source: dict[str, Any]) -> dict[str, Any]:
+                  source: dict[str, Any], dtype: str | None = None) -> dict[str, Any]:
     """Write and validate one format directory atomically; return its record."""
     with atomic_dir(out) as tmp:
         formats.write_export(tmp, fmt, tensors, draft, aux, verifier_path, verifier_arch,
-                             convention, speculative_tokens)
+                             convention, speculative_tokens, dtype)
         try:
             summary = formats.validate_export(tmp, fmt, draft, aux, convention)
         except formats.ExportValidationError as e:
@@ -113,9 +113,13 @@ def run_export(stage: Stage) -> None:
     if draft.vocab_size != info.vocab_size or draft.target_hidden_size != info.hidden_size:
         raise StageError(f"{ckpt} does not fit verifier {cfg.verifier.path} (vocab "
                          f"{draft.vocab_size} vs {info.vocab_size}, hidden "
-                         f"{draft.target_hidden_size} vs {info.hidden_size}): wrong run or verifier")
+                         f"{draft.target_hidden_size} vs {info.hidden_size}): wrong run or "
+                         f"verifier")
     convention = cfg.export.sglang_aux_offset
-    source = {"checkpoint": str(ckpt), "upstream_manifest_sha256": stage.upstream_hash(4)}
+    # Everything a kept format directory must have been made from (else it is redone).
+    source = {"checkpoint": str(ckpt), "upstream_manifest_sha256": stage.upstream_hash(4),
+              "dtype": cfg.export.dtype, "sglang_aux_offset": convention,
+              "verifier": str(cfg.verifier_path)}
     # speculators' speculative_tokens is only the default depth of `vllm serve DIR`.
     depth = max(cfg.bench.num_speculative_tokens)
 
@@ -133,7 +137,8 @@ def run_export(stage: Stage) -> None:
             log.info("%s: stale or incomplete, moved aside to %s", out, _move_aside(out))
         try:
             records[fmt] = export_format(out, fmt, tensors, draft, aux, str(cfg.verifier_path),
-                                         info.architecture, convention, depth, source)
+                                         info.architecture, convention, depth, source,
+                                         cfg.export.dtype)
         except formats.FormatError as e:
             raise StageError(f"cannot export {ckpt} as {fmt}: {e}") from None
         log.info("%s: %d keys, aux ids written %s (%s), validated", out,

@@ -21,9 +21,10 @@ Used by stage 05 (`eagle3/export.py`) and by the training checkpoint writer (con
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Literal, Mapping, Optional
 
 import torch
 from safetensors import safe_open
@@ -355,17 +356,25 @@ def format_config(fmt: str, draft: DraftModelConfig, aux_layer_ids: list[int],
 def write_export(directory: Path, fmt: str, state: Mapping[str, torch.Tensor],
                  draft: DraftModelConfig, aux_layer_ids: list[int], verifier_path: str,
                  verifier_arch: str, sglang_convention: SglangConvention = "post-25454",
-                 speculative_tokens: int = 3) -> None:
-    """Write config.json + model.safetensors of `fmt` into an existing (temporary) directory."""
+                 speculative_tokens: int = 3, dtype: Optional[str] = None) -> None:
+    """Write config.json + model.safetensors of `fmt` into an existing (temporary) directory.
+
+    `dtype` (e.g. "bfloat16") casts the float weights; d2t/t2d keep int64/bool.
+    """
     config = format_config(fmt, draft, aux_layer_ids, verifier_path, verifier_arch,
                            sglang_convention, speculative_tokens)
     tensors = export_state_dict(state, fmt)
+    if dtype is not None:
+        target = getattr(torch, dtype)
+        tensors = {k: v.to(target) if v.is_floating_point() else v for k, v in tensors.items()}
     dtypes = {str(v.dtype).removeprefix("torch.") for k, v in tensors.items()
               if v.is_floating_point()}
     if len(dtypes) == 1:
         config["dtype"] = dtypes.pop()
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+    # safetensors creates the file 0600; engines often run as another user (containers).
+    os.chmod(directory / WEIGHTS_FILE, 0o644)
     (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
 
 

@@ -8,7 +8,9 @@
 Backend `hf`: one transformers forward per batch (length-sorted, right-padded, at most
 `hidden_states.batch_tokens` padded tokens) with forward hooks on just the decoder layers whose
 outputs are needed. Aux ids are HF `output_hidden_states` indices (id j = output of decoder
-layer j-1 = input of layer j; 0 = embeddings). The final state is the base model's
+layer j-1 = input of layer j; 0 = embeddings). An id equal to the layer count captures the last
+layer's raw output, pre-norm, as engines do; HF's own `output_hidden_states[-1]` is post-norm,
+so only that one index differs from HF. The final state is the base model's
 `last_hidden_state`, which is **post final norm** (so `lm_head(final)` are the verifier's
 logits); it is never normed again.
 
@@ -30,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pyarrow.compute as pc
 import torch
 
 from eagle3.runs import Stage, StageError, atomic_path, atomic_write_json, clean_stale_tmp
@@ -86,7 +89,8 @@ def shard_metadata(header: dict[str, Any]) -> dict[str, Any]:
     return json.loads(header.get("__metadata__", {}).get("eagle3", "{}"))
 
 
-def _shard_complete(path: Path, ids: list[str]) -> bool:
+def _shard_complete(path: Path, ids: list[str], facts: dict[str, Any]) -> bool:
+    """True when `path` is a whole shard of exactly these samples, made with these facts."""
     header = read_shard_header(path) if path.is_file() else None
     if header is None:
         return False
@@ -94,7 +98,8 @@ def _shard_complete(path: Path, ids: list[str]) -> bool:
         meta = shard_metadata(header)
     except ValueError:
         return False
-    return meta.get("format") == FORMAT and meta.get("ids") == ids
+    return (meta.get("format") == FORMAT and meta.get("ids") == ids
+            and all(meta.get(k) == v for k, v in facts.items()))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,12 +237,17 @@ def run_extract(stage: Stage) -> None:
     clean_stale_tmp(out_dir)
 
     all_ids: list[str] = list(ds["id"])
-    lengths = [len(x) for x in ds["input_ids"]]
+    # Lengths straight from Arrow: materializing every token list would not fit in memory for
+    # production datasets.
+    lengths = pc.list_value_length(ds.data.column("input_ids")).to_pylist()
     per = cfg.hidden_states.shard_samples
     shards = [(k, list(range(s, min(s + per, len(ds)))))
               for k, s in enumerate(range(0, len(ds), per))]
+    facts = {"aux_layer_ids": aux_ids, "aux_layer_convention": AUX_CONVENTION,
+             "final_state": FINAL_STATE, "dtype": dtype, "hidden_size": hidden,
+             "verifier": str(cfg.verifier_path)}
     todo = [(k, rows) for k, rows in shards
-            if not _shard_complete(out_dir / shard_name(k), [all_ids[i] for i in rows])]
+            if not _shard_complete(out_dir / shard_name(k), [all_ids[i] for i in rows], facts)]
     bpt = bytes_per_token(len(aux_ids), hidden, dtype)
     total_tokens = sum(lengths)
     needed = sum(lengths[i] for _, rows in todo for i in rows) * bpt
@@ -245,9 +255,6 @@ def run_extract(stage: Stage) -> None:
              len(ds), total_tokens, len(shards), len(todo), total_tokens * bpt / 1e9, bpt)
     _check_disk(out_dir, needed)
 
-    facts = {"aux_layer_ids": aux_ids, "aux_layer_convention": AUX_CONVENTION,
-             "final_state": FINAL_STATE, "dtype": dtype, "hidden_size": hidden,
-             "verifier": str(cfg.verifier_path)}
     written = 0
     if todo:
         model, base, device = _load_verifier(stage)

@@ -58,13 +58,15 @@ def tiny_verifier(tmp_path_factory, smollm2) -> Path:
     return out
 
 
-def make_config(tmp_path: Path, verifier: Path, **sections):
-    """A Config for `verifier` writing under `tmp_path`; `sections` override section dicts,
-    e.g. make_config(tmp, v, data={"num_samples": 8})."""
+def make_config(tmp_path: Path, verifier_path: Path, **sections):
+    """A Config for the verifier at `verifier_path` writing under `tmp_path`; `sections` update
+    section dicts, e.g. make_config(tmp, v, data={"num_samples": 8}). Aux ids default to
+    [1, 2, 3], valid for the 4-layer tiny verifier."""
     from eagle3.config import config_from_dict
 
     raw = {"run": {"name": "test", "dir": str(tmp_path / "runs")},
-           "verifier": {"path": str(verifier), "dtype": "float32"},
+           "verifier": {"path": str(verifier_path), "dtype": "float32",
+                        "aux_layer_ids": [1, 2, 3]},
            "data": {"num_samples": 8, "max_seq_len": 256},
            "generate": {"max_new_tokens": 16, "batch_size": 4, "chunk_size": 4},
            "hidden_states": {"shard_samples": 3, "dtype": "float32"},

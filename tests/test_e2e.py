@@ -1,0 +1,42 @@
+"""All six stages on a small slice of real data with SmolLM2-135M and a real vLLM server."""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+OVERRIDES = [
+    "data.num_samples=24", "generate.max_new_tokens=48", "generate.chunk_size=12",
+    "train.epochs=2", "train.checkpoint_every=10", "bench.num_prompts=4",
+    "bench.max_tokens=32", "bench.baseline=false", "export.formats=[vllm,sglang,speculators]",
+]
+
+
+def test_pipeline_end_to_end(tmp_path, smollm2):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    cmd = ["bash", "run_pipeline.sh", "configs/smollm2-135m-cpu.yaml", f"run.dir={tmp_path}",
+           *OVERRIDES]
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+
+    run = tmp_path / "smollm2-135m-cpu"
+    for stage in ("01_data", "02_hidden_states", "03_vocab", "04_train", "05_export",
+                  "06_bench"):
+        assert (run / stage / "manifest.json").is_file(), stage
+    for fmt in ("vllm", "sglang", "speculators"):
+        assert (run / "05_export" / fmt / "model.safetensors").is_file()
+    results = json.loads((run / "06_bench" / "results.json").read_text())
+    spec = [r for r in results["runs"] if r.get("num_speculative_tokens")]
+    assert spec and all(r["drafts"] > 0 for r in spec), results
+    assert all(r["acceptance_length"] >= 1.0 for r in spec)
+
+    # A rerun of the finished pipeline does no stage work again.
+    again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0
+    assert again.stdout.count("already complete") == 6, again.stdout[-3000:]

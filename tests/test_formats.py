@@ -1,0 +1,324 @@
+"""Export layouts and their validation (eagle3/formats.py, eagle3/export.py), on a tiny drafter.
+
+    .venv/bin/pytest tests/test_formats.py -q
+
+Every silent-failure mode of REFERENCE.md section 6 that lives in the exported files must make
+`validate_export` raise: each test corrupts one thing in a valid export and expects the
+problem to be named.
+"""
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eagle3 import formats
+from eagle3.formats import ExportValidationError, FormatError, validate_export, write_export
+from eagle3.model import DraftModelConfig, Eagle3DraftModel
+
+_VOCAB = 100
+_DRAFT_VOCAB = 32
+_HIDDEN = 32
+_AUX = [2, 4, 6]
+
+DRAFT = DraftModelConfig(hidden_size=_HIDDEN, target_hidden_size=_HIDDEN, num_aux=3,
+                         intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=8, num_layers=1, rms_norm_eps=1e-6, rope_theta=10000.0,
+                         max_position_embeddings=256, vocab_size=_VOCAB,
+                         draft_vocab_size=_DRAFT_VOCAB)
+
+
+def make_state(draft: DraftModelConfig = DRAFT) -> dict[str, torch.Tensor]:
+    """A random drafter's checkpoint tensors with a consistent random reduced vocabulary."""
+    model = Eagle3DraftModel(draft)
+    targets = torch.randperm(draft.vocab_size)[:draft.draft_vocab_size].sort().values
+    model.t2d.zero_()
+    model.t2d[targets] = True
+    model.d2t.copy_(targets - torch.arange(draft.draft_vocab_size))
+    return {k: v.clone() for k, v in model.trainable_state_dict().items()}
+
+
+def export(tmp_path: Path, fmt: str, state=None, draft=DRAFT, aux=_AUX, **kw) -> Path:
+    out = tmp_path / fmt
+    out.mkdir()
+    write_export(out, fmt, make_state(draft) if state is None else state, draft, aux,
+                 "/verifiers/tiny", "LlamaForCausalLM", **kw)
+    return out
+
+
+def rewrite(out: Path, edit_tensors=None, edit_config=None) -> None:
+    """Corrupt an export in place: edit_tensors(dict) / edit_config(dict) mutate in place."""
+    if edit_tensors:
+        tensors = load_file(str(out / "model.safetensors"))
+        edit_tensors(tensors)
+        save_file(tensors, str(out / "model.safetensors"))
+    if edit_config:
+        cfg = json.loads((out / "config.json").read_text())
+        edit_config(cfg)
+        (out / "config.json").write_text(json.dumps(cfg))
+
+
+def problems_of(out: Path, fmt: str, **kw) -> str:
+    with pytest.raises(ExportValidationError) as e:
+        validate_export(out, fmt, DRAFT, _AUX, **kw)
+    return "\n".join(e.value.problems)
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing and key maps
+
+
+@pytest.mark.parametrize("fmt", formats.FORMATS)
+def test_each_format_exports_and_validates(tmp_path, fmt):
+    out = export(tmp_path, fmt)
+    summary = validate_export(out, fmt, DRAFT, _AUX)
+    keys = set(load_file(str(out / "model.safetensors")))
+    cfg = json.loads((out / "config.json").read_text())
+    assert "d2t" in keys and "t2d" in keys and "lm_head.weight" in keys
+    assert not any(k.startswith(("model.", "embed_tokens")) for k in keys)
+    assert cfg["norm_before_residual"] is False
+    if fmt == "sglang":
+        assert all(not k.startswith("layers.") for k in keys)
+        assert "midlayer.self_attn.q_proj.weight" in keys
+        assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+        assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == _AUX
+        assert "eagle_aux_hidden_state_layer_ids" not in cfg
+    else:
+        assert "layers.0.self_attn.q_proj.weight" in keys
+        assert cfg["eagle_aux_hidden_state_layer_ids"] == _AUX
+    if fmt == "vllm":
+        assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == _AUX
+        assert cfg["draft_vocab_size"] == _DRAFT_VOCAB and cfg["vocab_size"] == _VOCAB
+        assert cfg["tie_word_embeddings"] is False
+        assert cfg["rope_theta"] == cfg["rope_parameters"]["rope_theta"] == 10000.0
+    if fmt == "speculators":
+        assert cfg["speculators_config"]["verifier"]["name_or_path"] == "/verifiers/tiny"
+        assert cfg["transformer_layer_config"]["vocab_size"] == _VOCAB
+    assert summary["aux_layer_ids_written"] == _AUX  # post-25454 SGLang: as-is too
+
+
+def test_key_maps_round_trip():
+    state = make_state()
+    sglang = formats.to_sglang_keys(state)
+    assert formats.detect_layout(sglang) == "sglang"
+    assert formats.detect_layout(state) == "speculators"
+    back = formats.to_speculators_keys(sglang)
+    assert set(back) == set(state)
+    assert all(torch.equal(back[k], state[k]) for k in state)
+    assert formats.SGLANG_TO_SPECULATORS == {"midlayer.": "layers.0."}
+
+
+def test_compile_prefix_is_stripped_on_export(tmp_path):
+    compiled = {f"_orig_mod.{k}": v for k, v in make_state().items()}
+    assert set(formats.strip_compile_prefix(compiled)) == set(make_state())
+    out = export(tmp_path, "vllm", state=compiled)
+    validate_export(out, "vllm", DRAFT, _AUX)
+
+
+def test_sglang_export_of_sglang_layout_checkpoint(tmp_path):
+    out = export(tmp_path, "vllm", state=formats.to_sglang_keys(make_state()))
+    assert "layers.0.mlp.up_proj.weight" in load_file(str(out / "model.safetensors"))
+
+
+def test_sglang_refuses_multi_layer_drafter(tmp_path):
+    two = DraftModelConfig(**{**DRAFT.to_dict(), "num_layers": 2})
+    with pytest.raises(FormatError, match="one draft layer"):
+        export(tmp_path, "sglang", draft=two)
+    out = export(tmp_path, "vllm", draft=two)  # vLLM serves extra plain layers
+    assert "layers.1.self_attn.q_proj.weight" in load_file(str(out / "model.safetensors"))
+
+
+def test_sglang_aux_conventions():
+    assert formats.sglang_aux_ids([2, 15, 27], "post-25454") == [2, 15, 27]
+    assert formats.sglang_aux_ids([2, 15, 27], "pre-25454") == [1, 14, 26]
+    with pytest.raises(FormatError, match="start with 1"):
+        formats.sglang_aux_ids([1, 15, 27], "post-25454")
+
+
+def test_pre_25454_export_writes_ids_minus_one(tmp_path):
+    out = export(tmp_path, "sglang", sglang_convention="pre-25454")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]
+    summary = validate_export(out, "sglang", DRAFT, _AUX, sglang_convention="pre-25454")
+    assert summary["aux_layer_ids_internal"] == _AUX
+    # the same directory read as a post-25454 export has the wrong ids
+    assert "expected [2, 4, 6]" in problems_of(out, "sglang")
+
+
+def test_export_dtype_casts_floats_only(tmp_path):
+    out = export(tmp_path, "vllm", dtype="bfloat16")
+    tensors = load_file(str(out / "model.safetensors"))
+    assert tensors["fc.weight"].dtype == torch.bfloat16
+    assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+# ---------------------------------------------------------------------------------------------
+# The validator rejects each silent-failure mode
+
+
+def test_rejects_layers_keys_in_sglang_export(tmp_path):
+    out = export(tmp_path, "sglang")
+    rewrite(out, edit_tensors=lambda t: t.update(
+        {"layers.0.mlp.up_proj.weight": t.pop("midlayer.mlp.up_proj.weight")}))
+    msg = problems_of(out, "sglang")
+    assert "drops them silently" in msg and "layers.0.mlp.up_proj.weight" in msg
+
+
+def test_rejects_missing_d2t(tmp_path):
+    out = export(tmp_path, "vllm")
+    rewrite(out, edit_tensors=lambda t: t.pop("d2t"))
+    assert "`d2t` missing" in problems_of(out, "vllm")
+
+
+def test_rejects_absolute_d2t(tmp_path):
+    state = make_state()
+    state["d2t"] = state["d2t"] + torch.arange(_DRAFT_VOCAB)  # absolute target ids
+    out = export(tmp_path, "vllm", state=state)
+    assert "absolute target ids" in problems_of(out, "vllm")
+
+
+def test_rejects_absolute_d2t_of_identity_prefix(tmp_path):
+    state = make_state()
+    state["t2d"] = torch.zeros(_VOCAB, dtype=torch.bool)
+    state["t2d"][:_DRAFT_VOCAB] = True
+    state["d2t"] = torch.arange(_DRAFT_VOCAB)  # absolute ids of the prefix; offsets are zeros
+    out = export(tmp_path, "sglang", state=state)
+    assert "d2t: not valid offsets" in problems_of(out, "sglang")
+
+
+def test_rejects_missing_lm_head(tmp_path):
+    out = export(tmp_path, "vllm")
+    rewrite(out, edit_tensors=lambda t: t.pop("lm_head.weight"))
+    assert "`lm_head.weight` missing" in problems_of(out, "vllm")
+
+
+def test_rejects_model_prefix(tmp_path):
+    out = export(tmp_path, "vllm")
+    rewrite(out, edit_tensors=lambda t: t.update({"model.norm.weight": t.pop("norm.weight")}))
+    msg = problems_of(out, "vllm")
+    assert "starts with `model.`" in msg and "missing key `norm.weight`" in msg
+
+
+def test_rejects_misshaped_tensor(tmp_path):
+    out = export(tmp_path, "speculators")
+    rewrite(out, edit_tensors=lambda t: t.update({"fc.weight": torch.zeros(_HIDDEN, _HIDDEN)}))
+    assert "`fc.weight` has shape [32, 32], expected [32, 96]" in problems_of(out, "speculators")
+
+
+def test_rejects_unexpected_key(tmp_path):
+    out = export(tmp_path, "vllm")
+    rewrite(out, edit_tensors=lambda t: t.update({"input_norm.weight": torch.ones(96)}))
+    assert "unexpected key `input_norm.weight`" in problems_of(out, "vllm")
+
+
+def test_rejects_missing_key(tmp_path):
+    out = export(tmp_path, "sglang")
+    rewrite(out, edit_tensors=lambda t: t.pop("midlayer.hidden_norm.weight"))
+    assert "missing key `midlayer.hidden_norm.weight`" in problems_of(out, "sglang")
+
+
+@pytest.mark.parametrize("fmt", formats.FORMATS)
+def test_rejects_absent_norm_before_residual(tmp_path, fmt):
+    out = export(tmp_path, fmt)
+    rewrite(out, edit_config=lambda c: c.pop("norm_before_residual"))
+    assert "`norm_before_residual` absent" in problems_of(out, fmt)
+
+
+def test_rejects_wrong_dtypes_and_config_fields(tmp_path):
+    out = export(tmp_path, "vllm")
+    rewrite(out, edit_tensors=lambda t: t.update({"d2t": t["d2t"].to(torch.int32),
+                                                  "t2d": t["t2d"].to(torch.uint8)}),
+            edit_config=lambda c: [c.pop("eagle_aux_hidden_state_layer_ids"),
+                                   c.pop("draft_vocab_size"),
+                                   c.update(architectures=["LlamaForCausalLM"])])
+    msg = problems_of(out, "vllm")
+    for needle in ("`d2t` has dtype torch.int32", "`t2d` has dtype torch.uint8",
+                   "aux ids `eagle_aux_hidden_state_layer_ids` absent",
+                   "`draft_vocab_size` missing", "`architectures`"):
+        assert needle in msg
+
+
+def test_lists_every_problem_at_once(tmp_path):
+    out = export(tmp_path, "sglang")
+    rewrite(out, edit_tensors=lambda t: [t.pop("d2t"), t.pop("lm_head.weight")],
+            edit_config=lambda c: c.pop("norm_before_residual"))
+    with pytest.raises(ExportValidationError) as e:
+        validate_export(out, "sglang", DRAFT, _AUX)
+    assert len(e.value.problems) == 3
+    assert "3 problem(s)" in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage 05 on a fake training run
+
+
+def _with_aux(cfg):
+    """Explicit aux ids: the derived default (2, N//2, N-3) repeats ids on a 4-layer verifier."""
+    return dataclasses.replace(cfg, verifier=dataclasses.replace(cfg.verifier,
+                                                                 aux_layer_ids=[2, 3, 4]))
+
+
+def _fake_train_run(tmp_path, tiny_verifier) -> "object":
+    from conftest import make_config
+    from eagle3.runs import Stage
+
+    cfg = _with_aux(make_config(tmp_path, tiny_verifier, export={"formats": ["vllm", "sglang"]}))
+    info = cfg.verifier_info
+    draft = DraftModelConfig(**{**DRAFT.to_dict(), "hidden_size": info.hidden_size,
+                                "target_hidden_size": info.hidden_size,
+                                "vocab_size": info.vocab_size, "num_attention_heads": 4,
+                                "num_key_value_heads": 2, "head_dim": info.hidden_size // 4})
+    s4 = Stage(cfg, 4)
+    ckpt = s4.dir / "step-2"
+    ckpt.mkdir(parents=True)
+    save_file(make_state(draft), str(ckpt / "model.safetensors"))
+    aux = list(info.aux_layer_ids)
+    (ckpt / "config.json").write_text(json.dumps(formats.speculators_config(
+        draft, aux, str(cfg.verifier_path), info.architecture)))
+    (ckpt / "draft_config.json").write_text(json.dumps(draft.to_dict() | {"aux_layer_ids": aux}))
+    (s4.dir / "best").write_text("step-2\n")
+    (s4.dir / "latest").write_text("step-2\n")
+    s4.write_manifest(inputs={}, outputs={}, counts={}, started=time.time())
+    return cfg
+
+
+def test_run_export_writes_validates_and_resumes(tmp_path, tiny_verifier):
+    from eagle3.export import run_export
+    from eagle3.runs import Stage
+
+    cfg = _fake_train_run(tmp_path, tiny_verifier)
+    ckpt_bytes = (Stage(cfg, 4).dir / "step-2" / "model.safetensors").read_bytes()
+    stage = Stage(cfg, 5)
+    run_export(stage)
+    report = json.loads((stage.dir / "report.json").read_text())
+    assert set(report["formats"]) == {"vllm", "sglang"}
+    assert report["formats"]["sglang"]["aux_layer_ids_written"] == [2, 3, 4]
+    assert report["formats"]["vllm"]["checks_passed"]
+    assert stage.is_done()
+    assert (Stage(cfg, 4).dir / "step-2" / "model.safetensors").read_bytes() == ckpt_bytes
+
+    # A crash after the vLLM dir: sglang missing, a stale tmp dir left, no manifest.
+    import shutil
+    shutil.rmtree(stage.dir / "sglang")
+    stage.manifest_path.unlink()
+    (stage.dir / ".sglang.tmp-999").mkdir()
+    vllm_mtime = (stage.dir / "vllm" / "model.safetensors").stat().st_mtime_ns
+    run_export(stage)
+    assert stage.is_done() and (stage.dir / "sglang" / "config.json").is_file()
+    assert not (stage.dir / ".sglang.tmp-999").exists()
+    assert (stage.dir / "vllm" / "model.safetensors").stat().st_mtime_ns == vllm_mtime
+
+
+def test_run_export_requires_training(tmp_path, tiny_verifier):
+    from conftest import make_config
+    from eagle3.export import run_export
+    from eagle3.runs import Stage, StageError
+
+    cfg = _with_aux(make_config(tmp_path, tiny_verifier))
+    with pytest.raises(StageError, match="04_train.py"):
+        run_export(Stage(cfg, 5))

