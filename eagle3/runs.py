@@ -34,7 +34,7 @@ STAGES = {
 SHAPING_KEYS = {
     1: ["verifier.path", "verifier.chat_template", "data", "generate"],
     2: ["verifier.aux_layer_ids", "hidden_states.dtype"],
-    3: ["vocab"],
+    3: ["vocab", "train.finetune_from"],
     4: ["draft", "train"],
     5: ["export"],
     6: ["bench"],

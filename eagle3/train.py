@@ -20,6 +20,7 @@ Data order is a pure function of (seed, epoch), so the resume point is just (epo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -279,19 +280,66 @@ def lr_lambda(total_steps: int, warmup_ratio: float, min_ratio: float):
     return f
 
 
-@torch.no_grad()
-def evaluate(model: Eagle3DraftModel, data, indices: list[int], lengths: list[int],
-             cfg: Config, lm_head: torch.Tensor, draft_ids: torch.Tensor,
-             device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
-    model.eval()
-    stats = StepStats.zeros(cfg.train.ttt_steps)
-    for group in pack(lengths, indices, cfg.train.batch_tokens):
-        batch = collate([data[i] for i in group], cfg.train.batch_tokens).to(device, dtype)
-        teacher = make_teacher(batch.final, lm_head, draft_ids)
-        _, s = ttt_forward(model, batch, teacher, cfg.train.ttt_steps, cfg.train.step_decay)
-        stats.add(s)
-    model.train()
-    return stats.metrics()
+class TTTObjective(torch.nn.Module):
+    """`ttt_forward` as a module's forward, so DistributedDataParallel can wrap it (DDP hooks
+    the wrapped module's forward; the draft model's own entry points are `project`/`step`)."""
+
+    def __init__(self, model: Eagle3DraftModel, ttt_steps: int, step_decay: float):
+        super().__init__()
+        self.model, self.ttt_steps, self.step_decay = model, ttt_steps, step_decay
+
+    def forward(self, batch: Batch, teacher: Teacher) -> tuple[torch.Tensor, StepStats]:
+        return ttt_forward(self.model, batch, teacher, self.ttt_steps, self.step_decay)
+
+
+@dataclass
+class Dist:
+    """torchrun facts; world 1 is the ordinary single-process case."""
+    rank: int = 0
+    world: int = 1
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            torch.distributed.barrier()
+
+    def sum_stats(self, stats: StepStats) -> StepStats:
+        """Sum per-rank counts so every rank logs the global metrics."""
+        if self.world == 1:
+            return stats
+        k = len(stats.loss)
+        t = torch.tensor(stats.loss + stats.counted + stats.correct + stats.full,
+                         dtype=torch.float64)
+        torch.distributed.all_reduce(t)
+        v = t.tolist()
+        return StepStats(v[:k], [int(x) for x in v[k:2 * k]], [int(x) for x in v[2 * k:3 * k]],
+                         [int(x) for x in v[3 * k:]])
+
+    def gather(self, obj: Any) -> list[Any]:
+        if self.world == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        torch.distributed.all_gather_object(out, obj)
+        return out
+
+
+def init_dist() -> Dist:
+    import os
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cuda = torch.cuda.is_available()
+    if world == 1:
+        return Dist(0, 1, torch.device("cuda" if cuda else "cpu"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl" if cuda else "gloo")
+    return Dist(torch.distributed.get_rank(), world, device)
 
 
 def run_train(stage: Stage) -> None:
@@ -306,7 +354,8 @@ def run_train(stage: Stage) -> None:
         raise StageError("train.finetune_from is not supported yet (planned: remap and verify a "
                          "base drafter's keys); unset it to train from scratch")
     started = time.time()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dist = init_dist()
+    device = dist.device
     dtype = torch.float32  # fp32 master weights; bf16 autocast on GPU below
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else \
         torch.autocast("cpu", enabled=False)
@@ -323,13 +372,19 @@ def run_train(stage: Stage) -> None:
     draft_ids = (torch.arange(len(d2t)) + d2t).to(device)
     lengths = [data.num_tokens(i) for i in range(len(data))]
     train_idx, val_idx = split_indices(data.ids, tc.val_fraction, tc.seed)
+    # One optimizer step consumes grad_accum micro-batches on every rank.
+    per_step = tc.grad_accum * dist.world
     per_epoch = len(epoch_batches(lengths, train_idx, tc.batch_tokens, tc.seed, 0))
-    steps_per_epoch = math.ceil(per_epoch / tc.grad_accum)
+    steps_per_epoch = math.ceil(per_epoch / per_step)
     total_steps = steps_per_epoch * tc.epochs
     if tc.max_steps is not None:
         total_steps = min(total_steps, tc.max_steps)
 
     model = build_model(cfg, d2t, t2d, lm_head.cpu()).to(device)
+    objective: torch.nn.Module = TTTObjective(model, tc.ttt_steps, tc.step_decay)
+    if dist.world > 1:
+        objective = torch.nn.parallel.DistributedDataParallel(
+            objective, device_ids=[device.index] if device.type == "cuda" else None)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay,
                                   betas=(0.9, 0.95))
@@ -339,8 +394,10 @@ def run_train(stage: Stage) -> None:
     dcfg = model.cfg
     draft_meta = {**dcfg.to_dict(), "aux_layer_ids": list(cfg.verifier_info.aux_layer_ids)}
 
-    stage.dir.mkdir(parents=True, exist_ok=True)
-    clean_stale_tmp(stage.dir)
+    if dist.main:
+        stage.dir.mkdir(parents=True, exist_ok=True)
+        clean_stale_tmp(stage.dir)
+    dist.barrier()
     latest = ckpt.find_latest(stage.dir)
     if latest is not None:
         weights, saved_meta, saved = ckpt.load_checkpoint(latest)
@@ -348,35 +405,59 @@ def run_train(stage: Stage) -> None:
             diff = [k for k in draft_meta if saved_meta.get(k) != draft_meta[k]]
             raise StageError(f"{latest} was trained with another draft shape ({diff}); "
                              f"rerun 04_train.py --restart to start over")
+        if saved.get("world_size", 1) != dist.world:
+            raise StageError(f"{latest} was written by {saved.get('world_size', 1)} processes, "
+                             f"this run has {dist.world}: resume with the same world size")
         model.load_state_dict({**weights, "embed_tokens.weight": model.embed_tokens.weight})
         optimizer.load_state_dict(saved["optimizer"])
         scheduler.load_state_dict(saved["scheduler"])
         state = TrainState(**saved["train_state"])
-        ckpt.set_rng_state(saved["rng"])
+        ckpt.set_rng_state(saved["rng"][dist.rank])
         log.info("resumed from %s (step %d, epoch %d, batch %d)", latest.name, state.step,
                  state.epoch, state.batch_in_epoch)
-    _truncate_metrics(stage.dir / "metrics.jsonl", state.step)
+    if dist.main:
+        _truncate_metrics(stage.dir / "metrics.jsonl", state.step)
 
     n_params = sum(p.numel() for p in params)
     log.info("drafter: %d trainable parameters; %d train / %d val samples; %d steps "
-             "(%d per epoch); ttt_steps %d", n_params, len(train_idx), len(val_idx),
-             total_steps, steps_per_epoch, tc.ttt_steps)
+             "(%d per epoch, %d micro-batches each over %d process(es)); ttt_steps %d",
+             n_params, len(train_idx), len(val_idx), total_steps, steps_per_epoch, per_step,
+             dist.world, tc.ttt_steps)
 
-    def save(val: dict[str, Any] | None) -> None:
-        if val is not None and val["est_accept_len"] > state.best_metric:
+    def validate() -> dict[str, Any]:
+        objective.eval()
+        stats = StepStats.zeros(tc.ttt_steps)
+        groups = pack(lengths, val_idx, tc.batch_tokens)
+        with torch.no_grad():
+            for group in groups[dist.rank::dist.world]:
+                batch = collate([data[i] for i in group], tc.batch_tokens).to(device, dtype)
+                teacher = make_teacher(batch.final, lm_head, draft_ids)
+                with autocast:
+                    stats.add(ttt_forward(model, batch, teacher, tc.ttt_steps,
+                                          tc.step_decay)[1])
+        objective.train()
+        return dist.sum_stats(stats).metrics()
+
+    def save(val: dict[str, Any]) -> None:
+        if val["est_accept_len"] > state.best_metric:
             state.best_metric, state.best_step = val["est_accept_len"], state.step
-        trainer_state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                         "train_state": state.state_dict(), "rng": ckpt.rng_state()}
-        spec = speculators_config(dcfg, list(cfg.verifier_info.aux_layer_ids),
-                                  str(cfg.verifier_path), cfg.verifier_info.architecture,
-                                  speculative_tokens=min(3, tc.ttt_steps))
-        path = ckpt.save_checkpoint(stage.dir, state.step, model.trainable_state_dict(), spec,
-                                    draft_meta, trainer_state)
-        if state.best_step == state.step:
-            ckpt.set_best(stage.dir, path)
-        ckpt.prune(stage.dir, tc.keep)
+        rng = dist.gather(ckpt.rng_state())  # every rank's generators, in rank order
+        if dist.main:
+            trainer_state = {"optimizer": optimizer.state_dict(),
+                             "scheduler": scheduler.state_dict(),
+                             "train_state": state.state_dict(), "rng": rng,
+                             "world_size": dist.world}
+            spec = speculators_config(dcfg, list(cfg.verifier_info.aux_layer_ids),
+                                      str(cfg.verifier_path), cfg.verifier_info.architecture,
+                                      speculative_tokens=min(3, tc.ttt_steps))
+            path = ckpt.save_checkpoint(stage.dir, state.step, model.trainable_state_dict(),
+                                        spec, draft_meta, trainer_state)
+            if state.best_step == state.step:
+                ckpt.set_best(stage.dir, path)
+            ckpt.prune(stage.dir, tc.keep)
+        dist.barrier()
 
-    model.train()
+    objective.train()
     t_last, tok_last = time.time(), state.tokens_seen
     window = StepStats.zeros(tc.ttt_steps)
     batches, batches_epoch = [], -1
@@ -384,37 +465,49 @@ def run_train(stage: Stage) -> None:
         if batches_epoch != state.epoch:
             batches = epoch_batches(lengths, train_idx, tc.batch_tokens, tc.seed, state.epoch)
             batches_epoch = state.epoch
-        group_list = batches[state.batch_in_epoch:state.batch_in_epoch + tc.grad_accum]
+        step_groups = batches[state.batch_in_epoch:state.batch_in_epoch + per_step]
+        mine = step_groups[dist.rank::dist.world]
+        # Each micro-batch's loss is weighted so that the (DDP-averaged) gradient is the mean
+        # over all micro-batches of the step; a rank with none left at the end of an epoch
+        # still runs one (weight 0) so the gradient all-reduce has every rank.
+        weight = dist.world / len(step_groups)
+        if not mine:
+            mine, weight = step_groups[:1], 0.0
         optimizer.zero_grad(set_to_none=True)
         step_stats = StepStats.zeros(tc.ttt_steps)
-        for group in group_list:
+        for n, group in enumerate(mine):
             batch = collate([data[i] for i in group], tc.batch_tokens).to(device, dtype)
             teacher = make_teacher(batch.final, lm_head, draft_ids)
-            with autocast:
-                loss, s = ttt_forward(model, batch, teacher, tc.ttt_steps, tc.step_decay)
-            (loss / len(group_list)).backward()
-            step_stats.add(s)
-            state.tokens_seen += batch.num_tokens
+            sync = n == len(mine) - 1 or dist.world == 1
+            ctx = objective.no_sync() if not sync else contextlib.nullcontext()
+            with ctx, autocast:
+                loss, s = objective(batch, teacher)
+                (loss * weight).backward()
+            if weight > 0:
+                step_stats.add(s)
+        state.tokens_seen += sum(min(lengths[i], tc.batch_tokens)
+                                 for group in step_groups for i in group)
         grad_norm = torch.nn.utils.clip_grad_norm_(
             params, tc.grad_clip if tc.grad_clip > 0 else float("inf"))
         optimizer.step()
         scheduler.step()
         state.step += 1
-        state.batch_in_epoch += len(group_list)
+        state.batch_in_epoch += len(step_groups)
         if state.batch_in_epoch >= len(batches):
             state.epoch, state.batch_in_epoch = state.epoch + 1, 0
+        step_stats = dist.sum_stats(step_stats)
         window.add(step_stats)
         record = {"step": state.step, "epoch": state.epoch,
-                  "loss": round(sum(tc.step_decay ** k * x / len(group_list)
+                  "loss": round(sum(tc.step_decay ** k * x / len(step_groups)
                                     for k, x in enumerate(step_stats.loss)), 5),
                   "lr": scheduler.get_last_lr()[0], "grad_norm": round(float(grad_norm), 4),
                   "tokens": state.tokens_seen, **step_stats.metrics()}
         val = None
         if state.step % tc.checkpoint_every == 0 or state.step == total_steps:
-            val = evaluate(model, data, val_idx, lengths, cfg, lm_head, draft_ids,
-                           device, dtype) if val_idx else step_stats.metrics()
+            val = validate() if val_idx else step_stats.metrics()
             record["val"] = val
-        _append_metrics(stage.dir / "metrics.jsonl", record)
+        if dist.main:
+            _append_metrics(stage.dir / "metrics.jsonl", record)
         if state.step % tc.log_every == 0 or val is not None:
             wm = window.metrics()
             dt = time.time() - t_last
@@ -428,6 +521,10 @@ def run_train(stage: Stage) -> None:
         if val is not None:
             save(val)
 
+    if dist.world > 1:
+        torch.distributed.destroy_process_group()
+    if not dist.main:
+        return
     latest = ckpt.find_latest(stage.dir)
     best = ckpt.read_pointer(stage.dir, "best") or latest
     final_val = json.loads((stage.dir / "metrics.jsonl").read_text().splitlines()[-1]).get("val")
@@ -438,7 +535,7 @@ def run_train(stage: Stage) -> None:
         counts={"steps": state.step, "tokens_seen": state.tokens_seen,
                 "train_samples": len(train_idx), "val_samples": len(val_idx),
                 "trainable_parameters": n_params, "best_step": state.best_step,
-                "best_val_est_accept_len": state.best_metric,
+                "best_val_est_accept_len": state.best_metric, "world_size": dist.world,
                 "aux_layer_ids": list(cfg.verifier_info.aux_layer_ids),
                 "final_state": hs_manifest.get("counts", {}).get("final_state", "post_norm")},
         started=started, final_val=final_val)

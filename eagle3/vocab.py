@@ -1,6 +1,6 @@
-"""Stage 03: the draft vocabulary, from loss-masked token counts.
+"""Stage 03: the draft vocabulary, from loss-masked token counts or from a base drafter.
 
-    python 03_build_vocab_map.py configs/smollm2-135m-cpu.yaml
+    python 03_build_vocab_map.py configs/smollm2-135m-cpu.yaml [train.finetune_from=DIR]
 
 Counts only supervised (assistant, loss_mask = 1) tokens, keeps the `draft_vocab_size` most
 frequent (end-of-turn/EOS always in), pads with the lowest unseen ids when fewer distinct tokens
@@ -8,6 +8,12 @@ were seen, and writes `03_vocab/vocab.safetensors`:
   d2t [Vd] int64 OFFSETS: target_id = i + d2t[i]  (what vLLM and SGLang both expect)
   t2d [V]  bool mask of target ids in the draft vocabulary
 plus the coverage of the supervised token mass.
+
+When fine-tuning (`train.finetune_from`), the base drafter's map is copied verbatim
+(`vocab.from_checkpoint`, on by default then): its lm_head rows belong to its tokens, and a
+recomputed map would scramble them (SpecForge PR #534). Its coverage on our data is reported.
+With `vocab.allow_remap` a new map is counted instead and stage 04 moves the base's lm_head rows
+by target token (`remap_lm_head`). The manifest records which mode was used.
 """
 
 from __future__ import annotations
@@ -20,7 +26,10 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3.runs import Stage, atomic_path
+from eagle3.checkpoint import load_base_vocab
+from eagle3.config import Config
+from eagle3.formats import vocab_map_problems
+from eagle3.runs import Stage, StageError, atomic_path
 
 log = logging.getLogger("eagle3")
 
@@ -87,6 +96,35 @@ def end_of_turn_ids(verifier_path: Path) -> list[int]:
     return list(dict.fromkeys(ids))
 
 
+def remap_lm_head(base_lm_head: torch.Tensor, base_d2t: torch.Tensor, new_d2t: torch.Tensor,
+                  verifier_lm_head: torch.Tensor) -> torch.Tensor:
+    """lm_head rows for the map `new_d2t`, moved from a base trained with `base_d2t`.
+
+    Row i of the result scores target token i + new_d2t[i]: the base's row for that token when
+    the base's map has it, else the verifier's lm_head row for it (the drafter's head starts as
+    the verifier's, so a new token starts where a fresh drafter would).
+    """
+    if verifier_lm_head.shape[1] != base_lm_head.shape[1]:
+        raise ValueError(f"verifier lm_head width {verifier_lm_head.shape[1]} != drafter width "
+                         f"{base_lm_head.shape[1]}")
+    new_targets = draft_to_target_ids(new_d2t)
+    base_targets = draft_to_target_ids(base_d2t)
+    row_of = torch.full((verifier_lm_head.shape[0],), -1, dtype=torch.long)
+    row_of[base_targets] = torch.arange(len(base_targets))
+    rows = row_of[new_targets]
+    known = rows >= 0
+    out = verifier_lm_head[new_targets].to(base_lm_head.dtype).clone()
+    out[known] = base_lm_head[rows[known]]
+    return out
+
+
+def uses_base_vocab(cfg: Config) -> bool:
+    """Whether stage 03 copies the base drafter's map (`vocab.from_checkpoint`, null = auto)."""
+    if cfg.vocab.from_checkpoint is None:
+        return bool(cfg.train.finetune_from) and not cfg.vocab.allow_remap
+    return cfg.vocab.from_checkpoint
+
+
 def run_vocab(stage: Stage) -> None:
     from datasets import load_from_disk
 
@@ -97,11 +135,32 @@ def run_vocab(stage: Stage) -> None:
     ds = load_from_disk(str(stage.upstream(1).dir / "dataset")).with_format("numpy")
     counts = count_tokens(ds["input_ids"], ds["loss_mask"], info.vocab_size)
     eot = end_of_turn_ids(cfg.verifier_path)
-    d2t, t2d = build_vocab_map(counts, cfg.vocab.draft_vocab_size, eot)
+    base = cfg.train.finetune_from
+    if uses_base_vocab(cfg):
+        if not base:
+            raise StageError("vocab.from_checkpoint=true needs train.finetune_from (the base "
+                             "drafter whose map is copied)")
+        d2t, t2d = load_base_vocab(base)
+        if t2d.numel() != info.vocab_size:
+            raise StageError(f"base drafter {base} has a map over {t2d.numel()} target ids, "
+                             f"the verifier has {info.vocab_size}: not a drafter of this "
+                             f"verifier")
+        bad = vocab_map_problems(d2t, t2d, d2t.numel(), info.vocab_size)
+        if bad:
+            raise StageError(f"base drafter {base}: {'; '.join(bad)}")
+        mode = "from_checkpoint"
+    else:
+        d2t, t2d = build_vocab_map(counts, cfg.vocab.draft_vocab_size, eot)
+        mode = "remap" if base else "counts"
     cov = coverage(counts, t2d)
     seen = int((counts > 0).sum())
-    log.info("draft vocab %d of %d ids; %d distinct supervised tokens seen; coverage of the "
-             "supervised token mass %.2f%%", len(d2t), info.vocab_size, seen, 100 * cov)
+    eot_missing = [i for i in eot if not bool(t2d[i])]
+    log.info("draft vocab %d of %d ids (%s%s); %d distinct supervised tokens seen; coverage "
+             "of the supervised token mass %.2f%%", len(d2t), info.vocab_size, mode,
+             f" of {base}" if base else "", seen, 100 * cov)
+    if eot_missing:
+        log.warning("end-of-turn ids %s are not in the base drafter's vocabulary: it can "
+                    "never draft them", eot_missing)
     stage.dir.mkdir(parents=True, exist_ok=True)
     with atomic_path(stage.dir / VOCAB_FILE) as tmp:
         save_file({"d2t": d2t, "t2d": t2d}, str(tmp))
@@ -110,5 +169,6 @@ def run_vocab(stage: Stage) -> None:
         outputs={"vocab": VOCAB_FILE},
         counts={"draft_vocab_size": len(d2t), "vocab_size": info.vocab_size,
                 "supervised_tokens": int(counts.sum()), "distinct_supervised_tokens": seen,
-                "coverage": round(cov, 6), "end_of_turn_ids": eot},
-        started=started)
+                "coverage": round(cov, 6), "end_of_turn_ids": eot,
+                "end_of_turn_missing": eot_missing},
+        started=started, vocab_source={"mode": mode, "base_drafter": base})

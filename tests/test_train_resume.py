@@ -61,11 +61,11 @@ def test_kill9_then_resume_equals_uninterrupted(prepared, tmp_path):
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen([sys.executable, "04_train.py", b.source], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "b.log", "w"))
     train_dir = Stage(b, 4).dir
     deadline = time.time() + 120
     while not (train_dir / "step-2").is_dir():
-        assert proc.poll() is None and time.time() < deadline
+        assert proc.poll() is None and time.time() < deadline, (tmp_path / "b.log").read_text()
         time.sleep(0.005)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -127,3 +127,21 @@ def test_incompatible_draft_shape_on_resume_fails(prepared, tmp_path):
     # A finished stage with another draft shape asks for --restart.
     out = run_script("04_train.py", c, "draft.num_layers=2", check=False)
     assert out.returncode == 2 and "--restart" in out.stderr
+
+
+def test_two_process_ddp_matches_one_process_with_the_same_global_batch(prepared, tmp_path):
+    one = copy_run(prepared, tmp_path / "one")
+    two = copy_run(prepared, tmp_path / "two")
+    run_script("04_train.py", one, "train.grad_accum=2", "train.max_steps=6")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                    "--master_port", "29517", "04_train.py", two.source, "train.grad_accum=1",
+                    "train.max_steps=6"], cwd=REPO, env=env, check=True, capture_output=True)
+    rec1 = [json.loads(x) for x in (Stage(one, 4).dir / "metrics.jsonl").read_text().splitlines()]
+    rec2 = [json.loads(x) for x in (Stage(two, 4).dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(rec1) == len(rec2) == 6
+    for a, b in zip(rec1, rec2):
+        assert a["tokens"] == b["tokens"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+        assert a["acc"] == b["acc"]
+    assert Stage(two, 4).manifest()["counts"]["world_size"] == 2

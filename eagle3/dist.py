@@ -1,0 +1,101 @@
+"""torchrun process setup shared by the stages that run data-parallel (02 extraction, 04 training).
+
+    torchrun --nproc-per-node 8 02_extract_hidden_states.py configs/kimi-k2.5.yaml
+    ctx = dist.init()            # world_size 1 (plain `python`) is the normal case
+    dist.log0("only rank 0 prints this")
+
+`init()` reads the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE),
+starts the process group once (NCCL on CUDA, gloo on CPU) and returns who this process is and
+which device it owns. Work is split with `items[ctx.rank::ctx.world_size]`; only rank 0 writes
+shared files and logs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as torch_dist
+
+log = logging.getLogger("eagle3")
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """This process's place in the job."""
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def _env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+def init() -> DistContext:
+    """Join the torchrun job (if any) and return this process's rank, world size and device."""
+    world = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    local_world = _env_int("LOCAL_WORLD_SIZE", world)
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world > 1 and not torch_dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        torch_dist.init_process_group(backend=backend, rank=rank, world_size=world,
+                                      device_id=device if device.type == "cuda" else None)
+    return DistContext(rank, world, local_rank, local_world, device)
+
+
+def barrier() -> None:
+    """Wait for every rank (a no-op without a process group)."""
+    if torch_dist.is_available() and torch_dist.is_initialized():
+        torch_dist.barrier()
+
+
+def all_ok(ok: bool) -> bool:
+    """True on every rank when `ok` is True on every rank (a collective; one-process: `ok`)."""
+    if not (torch_dist.is_available() and torch_dist.is_initialized()):
+        return ok
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
+    if torch_dist.get_backend() == "nccl":
+        flag = flag.cuda()
+    torch_dist.all_reduce(flag)
+    return int(flag.item()) == 0
+
+
+def log0(msg: str, *args: object) -> None:
+    """logging.info on rank 0 only."""
+    if _env_int("RANK", 0) == 0:
+        log.info(msg, *args)
+
+
+def destroy() -> None:
+    if torch_dist.is_available() and torch_dist.is_initialized():
+        torch_dist.destroy_process_group()
+
+
+def all_sum(value: int) -> int:
+    """Sum of `value` over all ranks (a collective; one-process: `value`)."""
+    if not (torch_dist.is_available() and torch_dist.is_initialized()):
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    if torch_dist.get_backend() == "nccl":
+        t = t.cuda()
+    torch_dist.all_reduce(t)
+    return int(t.item())
