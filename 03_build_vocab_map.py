@@ -11,4 +11,5 @@ from eagle3.cli import stage_main
 from eagle3.vocab import run_vocab
 
 if __name__ == "__main__":
-    sys.exit(stage_main(3, run_vocab, __doc__.splitlines()[0]))
+    sys.exit(stage_main(3, run_vocab, __doc__.splitlines()[0],
+                        aliases={"--finetune-from": "train.finetune_from"}))

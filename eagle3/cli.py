@@ -38,7 +38,7 @@ def stage_main(number: int, run: Callable[[Stage], None], description: str,
     for flag, key in (aliases or {}).items():
         parser.add_argument(flag, dest=key.replace(".", "__"), default=None,
                             help=f"same as {key}=VALUE")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # flags may sit between overrides
     setup_logging()
     overrides = list(args.overrides)
     for flag, key in (aliases or {}).items():

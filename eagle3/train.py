@@ -250,6 +250,36 @@ def build_model(cfg: Config, d2t: torch.Tensor, t2d: torch.Tensor,
     return model
 
 
+def build_finetune_model(cfg: Config, d2t: torch.Tensor, t2d: torch.Tensor,
+                         verifier_lm_head: torch.Tensor) -> tuple[Eagle3DraftModel, dict]:
+    """The drafter at `train.finetune_from`, keys remapped and every tensor, the vocabulary map
+    and the aux ids checked against ours; the base's attention geometry wins (ours is only
+    derived). On resume the same model is rebuilt, then the step checkpoint is loaded."""
+    from eagle3.vocab import remap_lm_head
+
+    embed = ckpt.read_verifier_tensor(cfg.verifier_path, "embed")
+    base = ckpt.load_base_drafter(Path(cfg.train.finetune_from))
+    dcfg = ckpt.finetune_draft_config(draft_model_config(cfg, len(t2d), len(d2t)), base,
+                                      intermediate_size=cfg.draft.intermediate_size)
+    ckpt.check_base(base, dcfg, embed, d2t, t2d, allow_remap=cfg.vocab.allow_remap)
+    ids = base.aux_ids_internal(cfg.export.sglang_aux_offset)
+    ours = list(cfg.verifier_info.aux_layer_ids)
+    if ids is not None and list(ids) != ours:
+        raise StageError(f"base drafter {base.path} was trained on aux ids {base.aux_layer_ids} "
+                         f"({base.layout} layout) = {list(ids)} as HF output_hidden_states "
+                         f"indices, but the config resolves to {ours}: set "
+                         f"verifier.aux_layer_ids={list(ids)} (and redo stage 02)")
+    head = (remap_lm_head(base.weights["lm_head.weight"], base.d2t, d2t, verifier_lm_head)
+            if cfg.vocab.allow_remap else None)
+    model = Eagle3DraftModel(dcfg)
+    model.load_state_dict(ckpt.base_state_dict(base, embed, d2t, t2d, head))
+    info = {"path": str(base.path), "layout": base.layout,
+            "aux_layer_ids_as_written": base.aux_layer_ids, "vocab_remapped": cfg.vocab.allow_remap}
+    log.info("fine-tuning from %s (%s layout, aux ids %s)", base.path, base.layout,
+             base.aux_layer_ids)
+    return model, info
+
+
 # ---------------------------------------------------------------------------------------------
 # The loop
 
@@ -350,9 +380,6 @@ def run_train(stage: Stage) -> None:
     tc = cfg.train
     hs_manifest = stage.require(2)
     stage.require(3)
-    if tc.finetune_from:
-        raise StageError("train.finetune_from is not supported yet (planned: remap and verify a "
-                         "base drafter's keys); unset it to train from scratch")
     started = time.time()
     dist = init_dist()
     device = dist.device
@@ -380,7 +407,12 @@ def run_train(stage: Stage) -> None:
     if tc.max_steps is not None:
         total_steps = min(total_steps, tc.max_steps)
 
-    model = build_model(cfg, d2t, t2d, lm_head.cpu()).to(device)
+    base_info: dict[str, Any] = {}
+    if tc.finetune_from:
+        model, base_info = build_finetune_model(cfg, d2t, t2d, lm_head.cpu())
+    else:
+        model = build_model(cfg, d2t, t2d, lm_head.cpu())
+    model = model.to(device)
     objective: torch.nn.Module = TTTObjective(model, tc.ttt_steps, tc.step_decay)
     if dist.world > 1:
         objective = torch.nn.parallel.DistributedDataParallel(
@@ -538,7 +570,7 @@ def run_train(stage: Stage) -> None:
                 "best_val_est_accept_len": state.best_metric, "world_size": dist.world,
                 "aux_layer_ids": list(cfg.verifier_info.aux_layer_ids),
                 "final_state": hs_manifest.get("counts", {}).get("final_state", "post_norm")},
-        started=started, final_val=final_val)
+        started=started, final_val=final_val, finetune_from=base_info or None)
 
 
 def _append_metrics(path: Path, record: dict[str, Any]) -> None:

@@ -145,3 +145,22 @@ def test_two_process_ddp_matches_one_process_with_the_same_global_batch(prepared
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
         assert a["acc"] == b["acc"]
     assert Stage(two, 4).manifest()["counts"]["world_size"] == 2
+
+
+def test_finetune_from_a_trained_checkpoint(prepared, tmp_path):
+    base_run = copy_run(prepared, tmp_path / "base")
+    run_script("04_train.py", base_run, "train.max_steps=2")
+    base = find_latest(Stage(base_run, 4).dir)
+    ft = copy_run(prepared, tmp_path / "ft")
+    # Stage 03 now copies the base's vocabulary map (fine-tuning must not re-derive it).
+    run_script("03_build_vocab_map.py", ft, f"train.finetune_from={base}", "--restart")
+    out = run_script("04_train.py", ft, "--finetune-from", str(base), "train.max_steps=2")
+    assert "fine-tuning from" in out.stdout + out.stderr
+    manifest = Stage(ft, 4).manifest()
+    assert manifest["finetune_from"]["path"] == str(base)
+    vocab = Stage(ft, 3).manifest()
+    assert "from_checkpoint" in json.dumps(vocab)
+    # A base whose vocabulary map differs from 03_vocab is refused with its own message.
+    bad = copy_run(prepared, tmp_path / "bad")
+    out = run_script("04_train.py", bad, "--finetune-from", str(base), check=False)
+    assert out.returncode == 2
