@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from typing import Callable
 
+from eagle3 import dist
 from eagle3.config import ConfigError, load_config
 from eagle3.runs import Stage, StageError
 
@@ -49,9 +51,13 @@ def stage_main(number: int, run: Callable[[Stage], None], description: str,
         cfg = load_config(args.config, overrides)
         stage = Stage(cfg, number)
         if args.restart:
-            moved = stage.restart()
-            if moved:
-                log.info("moved the previous %s aside to %s", stage.name, moved)
+            # Under torchrun only rank 0 moves the output aside; the others wait for it.
+            ctx = dist.init() if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+            if ctx is None or ctx.is_main:
+                moved = stage.restart()
+                if moved:
+                    log.info("moved the previous %s aside to %s", stage.name, moved)
+            dist.barrier()
         if stage.check_done():
             log.info("%s is already complete in %s; nothing to do (--restart redoes it)",
                      stage.name, stage.dir)

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle3 import checkpoint as ckpt
+from eagle3 import dist
 from eagle3.config import Config
 from eagle3.model import DraftModelConfig, Eagle3DraftModel, causal_doc_mask
 from eagle3.runs import Stage, StageError, atomic_write_text, clean_stale_tmp
@@ -322,54 +323,27 @@ class TTTObjective(torch.nn.Module):
         return ttt_forward(self.model, batch, teacher, self.ttt_steps, self.step_decay)
 
 
-@dataclass
-class Dist:
-    """torchrun facts; world 1 is the ordinary single-process case."""
-    rank: int = 0
-    world: int = 1
-    device: torch.device = torch.device("cpu")
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-    def barrier(self) -> None:
-        if self.world > 1:
-            torch.distributed.barrier()
-
-    def sum_stats(self, stats: StepStats) -> StepStats:
-        """Sum per-rank counts so every rank logs the global metrics."""
-        if self.world == 1:
-            return stats
-        k = len(stats.loss)
-        t = torch.tensor(stats.loss + stats.counted + stats.correct + stats.full,
-                         dtype=torch.float64)
-        torch.distributed.all_reduce(t)
-        v = t.tolist()
-        return StepStats(v[:k], [int(x) for x in v[k:2 * k]], [int(x) for x in v[2 * k:3 * k]],
-                         [int(x) for x in v[3 * k:]])
-
-    def gather(self, obj: Any) -> list[Any]:
-        if self.world == 1:
-            return [obj]
-        out: list[Any] = [None] * self.world
-        torch.distributed.all_gather_object(out, obj)
-        return out
-
-
-def init_dist() -> Dist:
-    import os
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    cuda = torch.cuda.is_available()
-    if world == 1:
-        return Dist(0, 1, torch.device("cuda" if cuda else "cpu"))
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
+def _sum_stats(stats: StepStats) -> StepStats:
+    """Sum per-rank counts so every rank logs the global metrics (one process: unchanged)."""
     if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("nccl" if cuda else "gloo")
-    return Dist(torch.distributed.get_rank(), world, device)
+        return stats
+    k = len(stats.loss)
+    t = torch.tensor(stats.loss + stats.counted + stats.correct + stats.full,
+                     dtype=torch.float64)
+    if torch.distributed.get_backend() == "nccl":
+        t = t.cuda()
+    torch.distributed.all_reduce(t)
+    v = t.tolist()
+    return StepStats(v[:k], [int(x) for x in v[k:2 * k]], [int(x) for x in v[2 * k:3 * k]],
+                     [int(x) for x in v[3 * k:]])
+
+
+def _gather(obj: Any, world: int) -> list[Any]:
+    if world == 1:
+        return [obj]
+    out: list[Any] = [None] * world
+    torch.distributed.all_gather_object(out, obj)
+    return out
 
 
 def run_train(stage: Stage) -> None:
@@ -381,8 +355,8 @@ def run_train(stage: Stage) -> None:
     hs_manifest = stage.require(2)
     stage.require(3)
     started = time.time()
-    dist = init_dist()
-    device = dist.device
+    ctx = dist.init()
+    device = ctx.device
     dtype = torch.float32  # fp32 master weights; bf16 autocast on GPU below
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else \
         torch.autocast("cpu", enabled=False)
@@ -400,7 +374,7 @@ def run_train(stage: Stage) -> None:
     lengths = [data.num_tokens(i) for i in range(len(data))]
     train_idx, val_idx = split_indices(data.ids, tc.val_fraction, tc.seed)
     # One optimizer step consumes grad_accum micro-batches on every rank.
-    per_step = tc.grad_accum * dist.world
+    per_step = tc.grad_accum * ctx.world_size
     per_epoch = len(epoch_batches(lengths, train_idx, tc.batch_tokens, tc.seed, 0))
     steps_per_epoch = math.ceil(per_epoch / per_step)
     total_steps = steps_per_epoch * tc.epochs
@@ -414,7 +388,7 @@ def run_train(stage: Stage) -> None:
         model = build_model(cfg, d2t, t2d, lm_head.cpu())
     model = model.to(device)
     objective: torch.nn.Module = TTTObjective(model, tc.ttt_steps, tc.step_decay)
-    if dist.world > 1:
+    if ctx.world_size > 1:
         objective = torch.nn.parallel.DistributedDataParallel(
             objective, device_ids=[device.index] if device.type == "cuda" else None)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -426,7 +400,7 @@ def run_train(stage: Stage) -> None:
     dcfg = model.cfg
     draft_meta = {**dcfg.to_dict(), "aux_layer_ids": list(cfg.verifier_info.aux_layer_ids)}
 
-    if dist.main:
+    if ctx.is_main:
         stage.dir.mkdir(parents=True, exist_ok=True)
         clean_stale_tmp(stage.dir)
     dist.barrier()
@@ -437,48 +411,48 @@ def run_train(stage: Stage) -> None:
             diff = [k for k in draft_meta if saved_meta.get(k) != draft_meta[k]]
             raise StageError(f"{latest} was trained with another draft shape ({diff}); "
                              f"rerun 04_train.py --restart to start over")
-        if saved.get("world_size", 1) != dist.world:
+        if saved.get("world_size", 1) != ctx.world_size:
             raise StageError(f"{latest} was written by {saved.get('world_size', 1)} processes, "
-                             f"this run has {dist.world}: resume with the same world size")
+                             f"this run has {ctx.world_size}: resume with the same world size")
         model.load_state_dict({**weights, "embed_tokens.weight": model.embed_tokens.weight})
         optimizer.load_state_dict(saved["optimizer"])
         scheduler.load_state_dict(saved["scheduler"])
         state = TrainState(**saved["train_state"])
-        ckpt.set_rng_state(saved["rng"][dist.rank])
+        ckpt.set_rng_state(saved["rng"][ctx.rank])
         log.info("resumed from %s (step %d, epoch %d, batch %d)", latest.name, state.step,
                  state.epoch, state.batch_in_epoch)
-    if dist.main:
+    if ctx.is_main:
         _truncate_metrics(stage.dir / "metrics.jsonl", state.step)
 
     n_params = sum(p.numel() for p in params)
     log.info("drafter: %d trainable parameters; %d train / %d val samples; %d steps "
              "(%d per epoch, %d micro-batches each over %d process(es)); ttt_steps %d",
              n_params, len(train_idx), len(val_idx), total_steps, steps_per_epoch, per_step,
-             dist.world, tc.ttt_steps)
+             ctx.world_size, tc.ttt_steps)
 
     def validate() -> dict[str, Any]:
         objective.eval()
         stats = StepStats.zeros(tc.ttt_steps)
         groups = pack(lengths, val_idx, tc.batch_tokens)
         with torch.no_grad():
-            for group in groups[dist.rank::dist.world]:
+            for group in groups[ctx.rank::ctx.world_size]:
                 batch = collate([data[i] for i in group], tc.batch_tokens).to(device, dtype)
                 teacher = make_teacher(batch.final, lm_head, draft_ids)
                 with autocast:
                     stats.add(ttt_forward(model, batch, teacher, tc.ttt_steps,
                                           tc.step_decay)[1])
         objective.train()
-        return dist.sum_stats(stats).metrics()
+        return _sum_stats(stats).metrics()
 
     def save(val: dict[str, Any]) -> None:
         if val["est_accept_len"] > state.best_metric:
             state.best_metric, state.best_step = val["est_accept_len"], state.step
-        rng = dist.gather(ckpt.rng_state())  # every rank's generators, in rank order
-        if dist.main:
+        rng = _gather(ckpt.rng_state(), ctx.world_size)  # every rank's generators, in rank order
+        if ctx.is_main:
             trainer_state = {"optimizer": optimizer.state_dict(),
                              "scheduler": scheduler.state_dict(),
                              "train_state": state.state_dict(), "rng": rng,
-                             "world_size": dist.world}
+                             "world_size": ctx.world_size}
             spec = speculators_config(dcfg, list(cfg.verifier_info.aux_layer_ids),
                                       str(cfg.verifier_path), cfg.verifier_info.architecture,
                                       speculative_tokens=min(3, tc.ttt_steps))
@@ -498,11 +472,11 @@ def run_train(stage: Stage) -> None:
             batches = epoch_batches(lengths, train_idx, tc.batch_tokens, tc.seed, state.epoch)
             batches_epoch = state.epoch
         step_groups = batches[state.batch_in_epoch:state.batch_in_epoch + per_step]
-        mine = step_groups[dist.rank::dist.world]
+        mine = step_groups[ctx.rank::ctx.world_size]
         # Each micro-batch's loss is weighted so that the (DDP-averaged) gradient is the mean
         # over all micro-batches of the step; a rank with none left at the end of an epoch
         # still runs one (weight 0) so the gradient all-reduce has every rank.
-        weight = dist.world / len(step_groups)
+        weight = ctx.world_size / len(step_groups)
         if not mine:
             mine, weight = step_groups[:1], 0.0
         optimizer.zero_grad(set_to_none=True)
@@ -510,7 +484,7 @@ def run_train(stage: Stage) -> None:
         for n, group in enumerate(mine):
             batch = collate([data[i] for i in group], tc.batch_tokens).to(device, dtype)
             teacher = make_teacher(batch.final, lm_head, draft_ids)
-            sync = n == len(mine) - 1 or dist.world == 1
+            sync = n == len(mine) - 1 or ctx.world_size == 1
             ctx = objective.no_sync() if not sync else contextlib.nullcontext()
             with ctx, autocast:
                 loss, s = objective(batch, teacher)
@@ -527,7 +501,7 @@ def run_train(stage: Stage) -> None:
         state.batch_in_epoch += len(step_groups)
         if state.batch_in_epoch >= len(batches):
             state.epoch, state.batch_in_epoch = state.epoch + 1, 0
-        step_stats = dist.sum_stats(step_stats)
+        step_stats = _sum_stats(step_stats)
         window.add(step_stats)
         record = {"step": state.step, "epoch": state.epoch,
                   "loss": round(sum(tc.step_decay ** k * x / len(step_groups)
@@ -538,7 +512,7 @@ def run_train(stage: Stage) -> None:
         if state.step % tc.checkpoint_every == 0 or state.step == total_steps:
             val = validate() if val_idx else step_stats.metrics()
             record["val"] = val
-        if dist.main:
+        if ctx.is_main:
             _append_metrics(stage.dir / "metrics.jsonl", record)
         if state.step % tc.log_every == 0 or val is not None:
             wm = window.metrics()
@@ -553,9 +527,8 @@ def run_train(stage: Stage) -> None:
         if val is not None:
             save(val)
 
-    if dist.world > 1:
-        torch.distributed.destroy_process_group()
-    if not dist.main:
+    dist.destroy()
+    if not ctx.is_main:
         return
     latest = ckpt.find_latest(stage.dir)
     best = ckpt.read_pointer(stage.dir, "best") or latest
@@ -567,7 +540,7 @@ def run_train(stage: Stage) -> None:
         counts={"steps": state.step, "tokens_seen": state.tokens_seen,
                 "train_samples": len(train_idx), "val_samples": len(val_idx),
                 "trainable_parameters": n_params, "best_step": state.best_step,
-                "best_val_est_accept_len": state.best_metric, "world_size": dist.world,
+                "best_val_est_accept_len": state.best_metric, "world_size": ctx.world_size,
                 "aux_layer_ids": list(cfg.verifier_info.aux_layer_ids),
                 "final_state": hs_manifest.get("counts", {}).get("final_state", "post_norm")},
         started=started, final_val=final_val, finetune_from=base_info or None)

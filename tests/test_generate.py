@@ -37,6 +37,12 @@ def _write_source(path, rows):
     return str(path)
 
 
+def _small_source(tmp_path):
+    """Eight single-turn prompts of different lengths (faster to read than ShareGPT)."""
+    return _write_source(tmp_path / "small.jsonl", [
+        {"prompt": f"Question {i}: " + "tell me more about it " * (i + 1)} for i in range(8)])
+
+
 def test_generate_outputs(tmp_path, tiny_verifier):
     tiny_config = make_config(tmp_path, tiny_verifier, data={"max_user_turns": 1})
     stage = Stage(tiny_config, 1)
@@ -168,7 +174,7 @@ def test_budget_batches():
 
 def test_sigkill_then_resume_matches_uninterrupted(tmp_path, tiny_verifier):
     gen = {"max_new_tokens": 32, "batch_size": 2, "chunk_size": 2}
-    data = {"max_user_turns": 1}
+    data = {"sources": [_small_source(tmp_path)]}
     (tmp_path / "killed").mkdir()
     (tmp_path / "clean").mkdir()
     killed_cfg = make_config(tmp_path / "killed", tiny_verifier, data=data, generate=gen)
@@ -224,7 +230,8 @@ def test_sampled_generation_is_seeded(tmp_path, tiny_verifier):
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
         cfg = make_config(tmp_path / name, tiny_verifier,
-                          data={"num_samples": 4, "max_user_turns": 2}, generate=gen)
+                          data={"num_samples": 4, "sources": [_small_source(tmp_path)]},
+                          generate=gen)
         run_generate(Stage(cfg, 1))
         runs.append((Stage(cfg, 1).dir / "conversations.jsonl").read_text())
     assert runs[0] == runs[1]
