@@ -673,6 +673,24 @@ def _extract_shards(stage: Stage, ctx: dist.DistContext, ds: Any, todo: list,
 # Reader
 
 
+def pack(lengths: list[int], indices: list[int], budget: int) -> list[list[int]]:
+    """Greedy groups of samples (in the order of `indices`) of at most `budget` tokens each; a
+    longer sample makes a group of its own (the trainer truncates it to the budget)."""
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    used = 0
+    for i in indices:
+        n = min(lengths[i], budget)
+        if cur and used + n > budget:
+            groups.append(cur)
+            cur, used = [], 0
+        cur.append(i)
+        used += n
+    if cur:
+        groups.append(cur)
+    return groups
+
+
 class HiddenStates:
     """Random access to the samples of a finished `02_hidden_states/` directory.
 
@@ -751,21 +769,8 @@ class HiddenStates:
                 "final": f.get_slice("final")[s:e]}
 
     def pack(self, indices: list[int], budget: int) -> list[list[int]]:
-        """Greedy groups of samples (in the order given) of at most `budget` tokens each; a
-        longer sample makes a group of its own."""
-        groups: list[list[int]] = []
-        cur: list[int] = []
-        used = 0
-        for i in indices:
-            n = self.num_tokens(i)
-            if cur and used + n > budget:
-                groups.append(cur)
-                cur, used = [], 0
-            cur.append(i)
-            used += n
-        if cur:
-            groups.append(cur)
-        return groups
+        """Token-budget groups of samples, in the order given (see `pack`)."""
+        return pack([self.num_tokens(i) for i in range(len(self))], indices, budget)
 
     def packed(self, indices: list[int]) -> dict[str, torch.Tensor]:
         """Samples concatenated into one row with document boundaries: the per-sample tensors

@@ -32,7 +32,10 @@ STAGES = {
 # Config keys whose change makes a stage's output (and everything downstream) invalid.
 # A stage's compatibility with its upstream is checked on the keys of every stage up to it.
 SHAPING_KEYS = {
-    1: ["verifier.path", "verifier.chat_template", "data", "generate"],
+    # Sampling and engine decide what was generated; server URLs, concurrency, batch sizes and
+    # timeouts only decide how fast, so changing them must not invalidate finished data.
+    1: ["verifier.path", "verifier.chat_template", "data", "generate.engine",
+        "generate.max_new_tokens", "generate.temperature", "generate.top_p", "generate.seed"],
     2: ["verifier.aux_layer_ids", "hidden_states.dtype"],
     3: ["vocab", "train.finetune_from"],
     4: ["draft", "train"],

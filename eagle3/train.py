@@ -38,6 +38,8 @@ import torch.nn.functional as F
 from eagle3 import checkpoint as ckpt
 from eagle3 import dist
 from eagle3.config import Config
+from eagle3.formats import speculators_config
+from eagle3.hidden_states import HiddenStates, pack
 from eagle3.model import DraftModelConfig, Eagle3DraftModel, causal_doc_mask
 from eagle3.runs import Stage, StageError, atomic_write_text, clean_stale_tmp
 from eagle3.vocab import load_vocab
@@ -86,21 +88,6 @@ def collate(samples: list[dict[str, torch.Tensor]], max_tokens: int) -> Batch:
         start += T
     cat = lambda xs: torch.cat(xs)[None]  # noqa: E731
     return Batch(cat(ids), cat(masks), cat(aux), cat(final), cat(doc_ids), cat(pos), cat(end))
-
-
-def pack(lengths: list[int], order: list[int], budget: int) -> list[list[int]]:
-    """Greedy packing of samples (in `order`) into batches of at most `budget` tokens."""
-    batches, cur, used = [], [], 0
-    for i in order:
-        n = min(lengths[i], budget)
-        if cur and used + n > budget:
-            batches.append(cur)
-            cur, used = [], 0
-        cur.append(i)
-        used += n
-    if cur:
-        batches.append(cur)
-    return batches
 
 
 def epoch_batches(lengths: list[int], indices: list[int], budget: int, seed: int,
@@ -347,9 +334,6 @@ def _gather(obj: Any, world: int) -> list[Any]:
 
 
 def run_train(stage: Stage) -> None:
-    from eagle3.formats import speculators_config
-    from eagle3.hidden_states import HiddenStates
-
     cfg = stage.cfg
     tc = cfg.train
     hs_manifest = stage.require(2)
