@@ -469,8 +469,8 @@ def run_train(stage: Stage) -> None:
             batch = collate([data[i] for i in group], tc.batch_tokens).to(device, dtype)
             teacher = make_teacher(batch.final, lm_head, draft_ids)
             sync = n == len(mine) - 1 or ctx.world_size == 1
-            ctx = objective.no_sync() if not sync else contextlib.nullcontext()
-            with ctx, autocast:
+            grad_sync = objective.no_sync() if not sync else contextlib.nullcontext()
+            with grad_sync, autocast:
                 loss, s = objective(batch, teacher)
                 (loss * weight).backward()
             if weight > 0:

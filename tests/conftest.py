@@ -67,7 +67,7 @@ def make_config(tmp_path: Path, verifier_path: Path, **sections):
     raw = {"run": {"name": "test", "dir": str(tmp_path / "runs")},
            "verifier": {"path": str(verifier_path), "dtype": "float32",
                         "aux_layer_ids": [1, 2, 3]},
-           "data": {"num_samples": 8, "max_seq_len": 256, "max_user_turns": 1},
+           "data": {"num_samples": 8, "max_seq_len": 256},
            "generate": {"max_new_tokens": 16, "batch_size": 4, "chunk_size": 4},
            "hidden_states": {"shard_samples": 3, "dtype": "float32"},
            "vocab": {"draft_vocab_size": 512},

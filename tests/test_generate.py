@@ -93,7 +93,8 @@ def test_multi_turn_conditions_on_regenerated_history(tmp_path, tiny_verifier):
             {"from": "human", "value": f"Tell me about topic number {i}, please."},
             {"from": "gpt", "value": "ORIGINAL ANSWER THAT MUST DISAPPEAR"},
             {"from": "human", "value": "And now say more about it."}]} for i in range(3)])
-    cfg = make_config(tmp_path, tiny_verifier, data={"sources": [src], "num_samples": 3},
+    cfg = make_config(tmp_path, tiny_verifier,
+                      data={"sources": [src], "num_samples": 3},
                       generate={"max_new_tokens": 8, "batch_size": 2, "chunk_size": 3})
     stage = Stage(cfg, 1)
     run_generate(stage)

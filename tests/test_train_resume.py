@@ -31,7 +31,7 @@ def prepared(tmp_path_factory, tiny_verifier):
     """Stages 01-03 on the tiny verifier, shared by the tests of this module."""
     tmp = tmp_path_factory.mktemp("train")
     cfg = make_config(tmp, tiny_verifier,
-                      data={"num_samples": 12},
+                      data={"num_samples": 12, "max_user_turns": 1},
                       train={"epochs": 6, "batch_tokens": 96, "checkpoint_every": 2,
                              "keep": 2, "ttt_steps": 3})
     for script in STAGE_SCRIPTS:
