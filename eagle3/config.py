@@ -319,6 +319,9 @@ class TrainConfig:
     """Seed of initialization and data order."""
     finetune_from: Optional[str] = None
     """Pretrained drafter to start from (set by `04_train.py --finetune-from PATH`)."""
+    freeze_lm_head: bool = False
+    """Keep `lm_head` at the verifier's rows (speculators' choice): the drafter then only has
+    to imitate the verifier's final hidden state, which learns faster on little data."""
 
     def __post_init__(self) -> None:
         for name in ("epochs", "ttt_steps", "batch_tokens", "grad_accum", "checkpoint_every",

@@ -371,6 +371,7 @@ def run_train(stage: Stage) -> None:
     else:
         model = build_model(cfg, d2t, t2d, lm_head.cpu())
     model = model.to(device)
+    model.lm_head.weight.requires_grad_(not tc.freeze_lm_head)
     objective: torch.nn.Module = TTTObjective(model, tc.ttt_steps, tc.step_decay)
     if ctx.world_size > 1:
         objective = torch.nn.parallel.DistributedDataParallel(
