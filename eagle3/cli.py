@@ -25,6 +25,9 @@ log = logging.getLogger("eagle3")
 def setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S",
                         stream=sys.stdout, force=True)
+    # One line per HTTP request would bury the stage's own progress lines.
+    for noisy in ("httpx", "httpcore"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 def stage_main(number: int, run: Callable[[Stage], None], description: str,
