@@ -73,7 +73,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -87,7 +86,8 @@ from typing import Any, Callable, Iterator
 import torch
 
 from eagle3 import dist
-from eagle3.runs import Stage, StageError, atomic_path, atomic_write_json, clean_stale_tmp
+from eagle3.runs import (Stage, StageError, atomic_path, atomic_write_json, clean_stale_tmp,
+                         file_sha256)
 
 log = logging.getLogger("eagle3")
 
@@ -192,14 +192,6 @@ def shard_metadata(header: dict[str, Any]) -> dict[str, Any]:
     # One metadata key holding JSON: safetensors stores metadata as a map whose key order is
     # not fixed, and one key keeps shard bytes identical from run to run.
     return json.loads(header.get("__metadata__", {}).get("eagle3", "{}"))
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def shard_done(out_dir: Path, k: int, ids: list[str], tokens: int,
