@@ -68,15 +68,16 @@ def barrier() -> None:
         torch_dist.barrier()
 
 
-def all_ok(ok: bool) -> bool:
-    """True on every rank when `ok` is True on every rank (a collective; one-process: `ok`)."""
+def all_reduce_sum(values: list[float]) -> list[float]:
+    """Element-wise sum of `values` over all ranks (a collective; one process: unchanged).
+    float64, so integer counts up to 2**53 stay exact."""
     if not (torch_dist.is_available() and torch_dist.is_initialized()):
-        return ok
-    flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64)
     if torch_dist.get_backend() == "nccl":
-        flag = flag.cuda()
-    torch_dist.all_reduce(flag)
-    return int(flag.item()) == 0
+        t = t.cuda()
+    torch_dist.all_reduce(t)
+    return t.tolist()
 
 
 def log0(msg: str, *args: object) -> None:
@@ -92,10 +93,4 @@ def destroy() -> None:
 
 def all_sum(value: int) -> int:
     """Sum of `value` over all ranks (a collective; one-process: `value`)."""
-    if not (torch_dist.is_available() and torch_dist.is_initialized()):
-        return value
-    t = torch.tensor([value], dtype=torch.int64)
-    if torch_dist.get_backend() == "nccl":
-        t = t.cuda()
-    torch_dist.all_reduce(t)
-    return int(t.item())
+    return int(all_reduce_sum([float(value)])[0])

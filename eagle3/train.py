@@ -312,15 +312,8 @@ class TTTObjective(torch.nn.Module):
 
 def _sum_stats(stats: StepStats) -> StepStats:
     """Sum per-rank counts so every rank logs the global metrics (one process: unchanged)."""
-    if not torch.distributed.is_initialized():
-        return stats
     k = len(stats.loss)
-    t = torch.tensor(stats.loss + stats.counted + stats.correct + stats.full,
-                     dtype=torch.float64)
-    if torch.distributed.get_backend() == "nccl":
-        t = t.cuda()
-    torch.distributed.all_reduce(t)
-    v = t.tolist()
+    v = dist.all_reduce_sum(stats.loss + stats.counted + stats.correct + stats.full)
     return StepStats(v[:k], [int(x) for x in v[k:2 * k]], [int(x) for x in v[2 * k:3 * k]],
                      [int(x) for x in v[3 * k:]])
 

@@ -22,6 +22,7 @@ from eagle3.checkpoint import (BaseDrafterError, base_state_dict, check_base,
 from eagle3.formats import write_export
 from eagle3.model import DraftModelConfig, Eagle3DraftModel, causal_doc_mask
 from eagle3.vocab import remap_lm_head
+from test_formats import rewrite
 
 _V, _VD, _H = 120, 40, 32
 _AUX = [2, 4, 6]
@@ -54,14 +55,7 @@ def write_base(tmp_path: Path, fmt: str, model: Eagle3DraftModel, name: str = "b
 
 
 def edit(out: Path, tensors=None, config=None) -> None:
-    if tensors:
-        t = load_file(str(out / "model.safetensors"))
-        tensors(t)
-        save_file(t, str(out / "model.safetensors"))
-    if config:
-        c = json.loads((out / "config.json").read_text())
-        config(c)
-        (out / "config.json").write_text(json.dumps(c))
+    rewrite(out, edit_tensors=tensors, edit_config=config)
 
 
 def logits_of(model: Eagle3DraftModel, steps: int = 3) -> list[torch.Tensor]:
