@@ -322,6 +322,13 @@ class TrainConfig:
     freeze_lm_head: bool = False
     """Keep `lm_head` at the verifier's rows (speculators' choice): the drafter then only has
     to imitate the verifier's final hidden state, which learns faster on little data."""
+    parallel: Literal["ddp", "fsdp"] = "ddp"
+    """Under torchrun: `ddp` replicates the drafter on every rank; `fsdp` (FSDP2 fully_shard)
+    splits weights, gradients and AdamW moments over the ranks, for drafters whose ~16 bytes
+    per trainable parameter do not fit one device. Checkpoints are the same either way."""
+    tensorboard: bool = False
+    """Also write the metrics as TensorBoard scalars under 04_train/tensorboard/
+    (needs `pip install tensorboard`)."""
 
     def __post_init__(self) -> None:
         for name in ("epochs", "ttt_steps", "batch_tokens", "grad_accum", "checkpoint_every",

@@ -94,3 +94,59 @@ def destroy() -> None:
 def all_sum(value: int) -> int:
     """Sum of `value` over all ranks (a collective; one-process: `value`)."""
     return int(all_reduce_sum([float(value)])[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# FSDP (fully_shard): parameters, gradients and optimizer state split over the ranks.
+#
+# A checkpoint always holds full, unsharded tensors in the single-process layout, so a run
+# written under FSDP resumes under DDP or on one process of the same world size and vice
+# versa, and the exported drafter never depends on how it was trained.
+
+
+def shard(objective: torch.nn.Module, blocks: list[torch.nn.Module]) -> torch.nn.Module:
+    """FSDP2-shard each of `blocks` (its own all-gather group: only one block's weights are
+    whole at a time) and then the rest of `objective` (embedding, fc, norm, lm_head)."""
+    from torch.distributed.fsdp import fully_shard
+    for block in blocks:
+        fully_shard(block)
+    fully_shard(objective)
+    return objective
+
+
+def _is_dtensor(t: object) -> bool:
+    from torch.distributed.tensor import DTensor
+    return isinstance(t, DTensor)
+
+
+def full_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Unsharded copies of a (possibly FSDP-sharded) state dict, a collective when sharded.
+    Gathered tensors go to host memory one by one: the device never holds the whole state."""
+    return {k: v.full_tensor().cpu() if _is_dtensor(v) else v for k, v in state.items()}
+
+
+def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
+    """`optimizer.state_dict()` with every sharded moment gathered (a collective under FSDP)."""
+    sd = optimizer.state_dict()
+    sd["state"] = {i: full_tensors(s) for i, s in sd["state"].items()}
+    return sd
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, sd: dict,
+                         params: list[torch.nn.Parameter]) -> None:
+    """Load a full optimizer state; under FSDP each rank keeps only its shard of every moment.
+    `params` is the optimizer's parameter list, in the order its state is indexed."""
+    from torch.distributed.tensor import distribute_tensor
+    state = {}
+    for i, s in sd["state"].items():
+        p = params[int(i)]
+        state[i] = {k: (distribute_tensor(v.to(p.device), p.device_mesh, p.placements,
+                                          src_data_rank=None)
+                        if _is_dtensor(p) and torch.is_tensor(v) and v.shape == p.shape else v)
+                    for k, v in s.items()}
+    optimizer.load_state_dict({**sd, "state": state})
+
+
+def local_scalar(t: torch.Tensor) -> float:
+    """A scalar that may be a DTensor (e.g. clip_grad_norm_'s total norm under FSDP)."""
+    return float(t.full_tensor() if _is_dtensor(t) else t)

@@ -29,7 +29,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -118,16 +118,34 @@ class Teacher:
 
 @torch.no_grad()
 def make_teacher(final: torch.Tensor, lm_head: torch.Tensor, draft_ids: torch.Tensor,
-                 chunk: int = 1024) -> Teacher:
-    """Teacher from post-norm final states; full-vocab logits are built `chunk` rows at a time."""
+                 needed: Optional[torch.Tensor] = None, chunk: int = 1024) -> Teacher:
+    """Teacher from post-norm final states; full-vocab logits are built `chunk` rows at a time.
+
+    Only rows in `needed` ([1, T] bool, default all) are computed; the others are zero and must
+    never be read. The full-vocab product is the costliest part of a small drafter's step, and
+    prompt positions (no loss) need none."""
     flat = final.reshape(-1, final.shape[-1])
-    draft, argmax = [], []
-    for i in range(0, flat.shape[0], chunk):
-        full = flat[i:i + chunk].float() @ lm_head.float().T
-        argmax.append(full.argmax(-1))
-        draft.append(full[:, draft_ids])
+    rows = torch.arange(flat.shape[0], device=flat.device) if needed is None else \
+        needed.reshape(-1).nonzero().squeeze(1)
+    draft = flat.new_zeros(flat.shape[0], len(draft_ids), dtype=torch.float32)
+    argmax = torch.zeros(flat.shape[0], dtype=torch.long, device=flat.device)
+    for i in range(0, len(rows), chunk):
+        r = rows[i:i + chunk]
+        full = flat[r].float() @ lm_head.float().T
+        argmax[r] = full.argmax(-1)
+        draft[r] = full[:, draft_ids]
     shape = final.shape[:-1]
-    return Teacher(torch.cat(draft).view(*shape, -1), torch.cat(argmax).view(shape))
+    return Teacher(draft.view(*shape, -1), argmax.view(shape))
+
+
+def teacher_rows(batch: Batch) -> torch.Tensor:
+    """Positions whose teacher some TTT step reads: the teacher at p is used only when the token
+    at p + 1 is in p's document and supervised (see `ttt_forward`: src = p, tgt = p + 1)."""
+    T = batch.num_tokens
+    nxt = torch.arange(1, T + 1, device=batch.input_ids.device)[None]
+    supervised = torch.cat([batch.loss_mask[:, 1:], torch.zeros_like(batch.loss_mask[:, :1])],
+                           dim=1)
+    return (nxt < batch.doc_end) & supervised
 
 
 @dataclass
@@ -310,6 +328,16 @@ class TTTObjective(torch.nn.Module):
         return ttt_forward(self.model, batch, teacher, self.ttt_steps, self.step_decay)
 
 
+def _grad_sync(objective: torch.nn.Module, sync: bool) -> Any:
+    """Context for one micro-batch's backward: reduce gradients over ranks only when `sync`
+    (the step's last micro-batch); accumulate locally before."""
+    if isinstance(objective, torch.nn.parallel.DistributedDataParallel) and not sync:
+        return objective.no_sync()
+    if hasattr(objective, "set_requires_gradient_sync"):  # FSDP2
+        objective.set_requires_gradient_sync(sync)
+    return contextlib.nullcontext()
+
+
 def _sum_stats(stats: StepStats) -> StepStats:
     """Sum per-rank counts so every rank logs the global metrics (one process: unchanged)."""
     k = len(stats.loss)
@@ -365,15 +393,6 @@ def run_train(stage: Stage) -> None:
         model = build_model(cfg, d2t, t2d, lm_head.cpu())
     model = model.to(device)
     model.lm_head.weight.requires_grad_(not tc.freeze_lm_head)
-    objective: torch.nn.Module = TTTObjective(model, tc.ttt_steps, tc.step_decay)
-    if ctx.world_size > 1:
-        objective = torch.nn.parallel.DistributedDataParallel(
-            objective, device_ids=[device.index] if device.type == "cuda" else None)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay,
-                                  betas=(0.9, 0.95))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_lambda(total_steps, tc.warmup_ratio, tc.min_lr_ratio))
     state = TrainState()
     dcfg = model.cfg
     draft_meta = {**dcfg.to_dict(), "aux_layer_ids": list(cfg.verifier_info.aux_layer_ids)}
@@ -383,6 +402,7 @@ def run_train(stage: Stage) -> None:
         clean_stale_tmp(stage.dir)
     dist.barrier()
     latest = ckpt.find_latest(stage.dir)
+    saved = None
     if latest is not None:
         weights, saved_meta, saved = ckpt.load_checkpoint(latest)
         if saved_meta != draft_meta:
@@ -392,8 +412,25 @@ def run_train(stage: Stage) -> None:
         if saved.get("world_size", 1) != ctx.world_size:
             raise StageError(f"{latest} was written by {saved.get('world_size', 1)} processes, "
                              f"this run has {ctx.world_size}: resume with the same world size")
+        # Weights go in before any wrapping: every rank reads the same full checkpoint.
         model.load_state_dict({**weights, "embed_tokens.weight": model.embed_tokens.weight})
-        optimizer.load_state_dict(saved["optimizer"])
+
+    parallel = tc.parallel if ctx.world_size > 1 else "none"
+    objective: torch.nn.Module = TTTObjective(model, tc.ttt_steps, tc.step_decay)
+    if parallel == "fsdp":
+        dist.shard(objective, list(model.layers))
+    elif parallel == "ddp":
+        # d2t/t2d are the only buffers and never change: no per-forward buffer broadcast.
+        objective = torch.nn.parallel.DistributedDataParallel(
+            objective, device_ids=[device.index] if device.type == "cuda" else None,
+            broadcast_buffers=False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay,
+                                  betas=(0.9, 0.95))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(total_steps, tc.warmup_ratio, tc.min_lr_ratio))
+    if saved is not None:
+        dist.load_optimizer_state(optimizer, saved["optimizer"], params)
         scheduler.load_state_dict(saved["scheduler"])
         state = TrainState(**saved["train_state"])
         ckpt.set_rng_state(saved["rng"][ctx.rank])
@@ -404,21 +441,29 @@ def run_train(stage: Stage) -> None:
 
     n_params = sum(p.numel() for p in params)
     log.info("drafter: %d trainable parameters; %d train / %d val samples; %d steps "
-             "(%d per epoch, %d micro-batches each over %d process(es)); ttt_steps %d",
+             "(%d per epoch, %d micro-batches each over %d process(es)%s); ttt_steps %d",
              n_params, len(train_idx), len(val_idx), total_steps, steps_per_epoch, per_step,
-             ctx.world_size, tc.ttt_steps)
+             ctx.world_size, f", {parallel}" if ctx.world_size > 1 else "", tc.ttt_steps)
+    tb = _tensorboard(stage.dir, state.step) if tc.tensorboard and ctx.is_main else None
 
     def validate() -> dict[str, Any]:
         objective.eval()
         stats = StepStats.zeros(tc.ttt_steps)
         groups = pack(lengths, val_idx, tc.batch_tokens)
+        # Sharded weights are gathered inside the (FSDP) objective's forward, so under FSDP
+        # every rank must run as many forwards: a rank short of batches repeats one, uncounted.
+        forward = objective if parallel == "fsdp" else \
+            (lambda b, t: ttt_forward(model, b, t, tc.ttt_steps, tc.step_decay))
         with torch.no_grad():
-            for group in groups[ctx.rank::ctx.world_size]:
-                batch = collate([data[i] for i in group], tc.batch_tokens).to(device, dtype)
-                teacher = make_teacher(batch.final, lm_head, draft_ids)
+            for r in range(math.ceil(len(groups) / ctx.world_size)):
+                i = r * ctx.world_size + ctx.rank
+                group = groups[i] if i < len(groups) else groups[0]
+                batch = collate([data[j] for j in group], tc.batch_tokens).to(device, dtype)
+                teacher = make_teacher(batch.final, lm_head, draft_ids, teacher_rows(batch))
                 with autocast:
-                    stats.add(ttt_forward(model, batch, teacher, tc.ttt_steps,
-                                          tc.step_decay)[1])
+                    s = forward(batch, teacher)[1]
+                if i < len(groups):
+                    stats.add(s)
         objective.train()
         return _sum_stats(stats).metrics()
 
@@ -426,15 +471,18 @@ def run_train(stage: Stage) -> None:
         if val["est_accept_len"] > state.best_metric:
             state.best_metric, state.best_step = val["est_accept_len"], state.step
         rng = _gather(ckpt.rng_state(), ctx.world_size)  # every rank's generators, in rank order
+        # Under FSDP gathering the full tensors is a collective: every rank takes part.
+        weights = dist.full_tensors(model.trainable_state_dict())
+        optimizer_state = dist.full_optimizer_state(optimizer)
         if ctx.is_main:
-            trainer_state = {"optimizer": optimizer.state_dict(),
+            trainer_state = {"optimizer": optimizer_state,
                              "scheduler": scheduler.state_dict(),
                              "train_state": state.state_dict(), "rng": rng,
                              "world_size": ctx.world_size}
             spec = speculators_config(dcfg, list(cfg.verifier_info.aux_layer_ids),
                                       str(cfg.verifier_path), cfg.verifier_info.architecture,
                                       speculative_tokens=min(3, tc.ttt_steps))
-            path = ckpt.save_checkpoint(stage.dir, state.step, model.trainable_state_dict(),
+            path = ckpt.save_checkpoint(stage.dir, state.step, weights,
                                         spec, draft_meta, trainer_state)
             if state.best_step == state.step:
                 ckpt.set_best(stage.dir, path)
@@ -450,21 +498,20 @@ def run_train(stage: Stage) -> None:
             batches = epoch_batches(lengths, train_idx, tc.batch_tokens, tc.seed, state.epoch)
             batches_epoch = state.epoch
         step_groups = batches[state.batch_in_epoch:state.batch_in_epoch + per_step]
+        # Each micro-batch's loss is weighted so that the (rank-averaged) gradient is the mean
+        # over all micro-batches of the step. Every rank runs the same number of micro-batches
+        # (their collectives must pair up): one short of data at the end of an epoch repeats
+        # one with weight 0.
         mine = step_groups[ctx.rank::ctx.world_size]
-        # Each micro-batch's loss is weighted so that the (DDP-averaged) gradient is the mean
-        # over all micro-batches of the step; a rank with none left at the end of an epoch
-        # still runs one (weight 0) so the gradient all-reduce has every rank.
-        weight = ctx.world_size / len(step_groups)
-        if not mine:
-            mine, weight = step_groups[:1], 0.0
+        n_micro = math.ceil(len(step_groups) / ctx.world_size)
+        work = [(g, ctx.world_size / len(step_groups)) for g in mine] + \
+            [(step_groups[0], 0.0)] * (n_micro - len(mine))
         optimizer.zero_grad(set_to_none=True)
         step_stats = StepStats.zeros(tc.ttt_steps)
-        for n, group in enumerate(mine):
+        for n, (group, weight) in enumerate(work):
             batch = collate([data[i] for i in group], tc.batch_tokens).to(device, dtype)
-            teacher = make_teacher(batch.final, lm_head, draft_ids)
-            sync = n == len(mine) - 1 or ctx.world_size == 1
-            grad_sync = objective.no_sync() if not sync else contextlib.nullcontext()
-            with grad_sync, autocast:
+            teacher = make_teacher(batch.final, lm_head, draft_ids, teacher_rows(batch))
+            with _grad_sync(objective, n == len(work) - 1), autocast:
                 loss, s = objective(batch, teacher)
                 (loss * weight).backward()
             if weight > 0:
@@ -484,7 +531,8 @@ def run_train(stage: Stage) -> None:
         record = {"step": state.step, "epoch": state.epoch,
                   "loss": round(sum(tc.step_decay ** k * x / len(step_groups)
                                     for k, x in enumerate(step_stats.loss)), 5),
-                  "lr": scheduler.get_last_lr()[0], "grad_norm": round(float(grad_norm), 4),
+                  "lr": scheduler.get_last_lr()[0],
+                  "grad_norm": round(dist.local_scalar(grad_norm), 4),
                   "tokens": state.tokens_seen, **step_stats.metrics()}
         val = None
         if state.step % tc.checkpoint_every == 0 or state.step == total_steps:
@@ -492,6 +540,8 @@ def run_train(stage: Stage) -> None:
             record["val"] = val
         if ctx.is_main:
             _append_metrics(stage.dir / "metrics.jsonl", record)
+            if tb is not None:
+                _tensorboard_record(tb, record)
         if state.step % tc.log_every == 0 or val is not None:
             wm = window.metrics()
             dt = time.time() - t_last
@@ -504,7 +554,11 @@ def run_train(stage: Stage) -> None:
             t_last, tok_last = time.time(), state.tokens_seen
         if val is not None:
             save(val)
+            if tb is not None:
+                tb.flush()
 
+    if tb is not None:
+        tb.close()
     dist.destroy()
     if not ctx.is_main:
         return
@@ -518,6 +572,7 @@ def run_train(stage: Stage) -> None:
         counts={"steps": state.step, "tokens_seen": state.tokens_seen,
                 "train_samples": len(train_idx), "val_samples": len(val_idx),
                 "trainable_parameters": n_params, "best_step": state.best_step,
+                "parallel": parallel,
                 "best_val_est_accept_len": state.best_metric, "world_size": ctx.world_size,
                 "aux_layer_ids": list(cfg.verifier_info.aux_layer_ids),
                 "final_state": hs_manifest.get("counts", {}).get("final_state", "post_norm")},
@@ -542,6 +597,28 @@ def _truncate_metrics(path: Path, step: int) -> None:
         if rec.get("step", 0) <= step:
             keep.append(line)
     atomic_write_text(path, "".join(x + "\n" for x in keep))
+
+
+def _tensorboard(train_dir: Path, step: int) -> Any:
+    """A SummaryWriter under 04_train/tensorboard/; on resume, events after `step` (logged
+    again by this run) are purged, as metrics.jsonl is truncated."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise StageError("train.tensorboard=true needs TensorBoard: pip install tensorboard "
+                         "(or set train.tensorboard=false)") from None
+    return SummaryWriter(str(train_dir / "tensorboard"), purge_step=step + 1 if step else None)
+
+
+def _tensorboard_record(tb: Any, record: dict[str, Any]) -> None:
+    step = record["step"]
+    for split, metrics in (("train", record), ("val", record.get("val") or {})):
+        for key, value in metrics.items():
+            if isinstance(value, list):
+                for k, x in enumerate(value):
+                    tb.add_scalar(f"{split}/{key}_{k}", x, step)
+            elif key in ("loss", "lr", "grad_norm", "est_accept_len", "tokens"):
+                tb.add_scalar(f"{split}/{key}", value, step)
 
 
 def _plot_metrics(train_dir: Path) -> None:

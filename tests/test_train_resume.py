@@ -129,22 +129,98 @@ def test_incompatible_draft_shape_on_resume_fails(prepared, tmp_path):
     assert out.returncode == 2 and "--restart" in out.stderr
 
 
-def test_two_process_ddp_matches_one_process_with_the_same_global_batch(prepared, tmp_path):
-    one = copy_run(prepared, tmp_path / "one")
-    two = copy_run(prepared, tmp_path / "two")
-    run_script("04_train.py", one, "train.grad_accum=2", "train.max_steps=6")
+def torchrun(cfg, *args, port, popen=False, log=None):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                    "--master_port", "29517", "04_train.py", two.source, "train.grad_accum=1",
-                    "train.max_steps=6"], cwd=REPO, env=env, check=True, capture_output=True)
-    rec1 = [json.loads(x) for x in (Stage(one, 4).dir / "metrics.jsonl").read_text().splitlines()]
-    rec2 = [json.loads(x) for x in (Stage(two, 4).dir / "metrics.jsonl").read_text().splitlines()]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_port", str(port), "04_train.py", cfg.source, *args]
+    if popen:
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                                stderr=log, start_new_session=True)
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def metrics(cfg):
+    return [json.loads(x) for x in (Stage(cfg, 4).dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def one_process(prepared, tmp_path_factory):
+    """Six steps on one process, two micro-batches per step."""
+    one = copy_run(prepared, tmp_path_factory.mktemp("one"))
+    run_script("04_train.py", one, "train.grad_accum=2", "train.max_steps=6")
+    return one
+
+
+@pytest.mark.parametrize("parallel,port", [("ddp", 29517), ("fsdp", 29527)])
+def test_two_processes_match_one_process_with_the_same_global_batch(
+        prepared, one_process, tmp_path, parallel, port):
+    two = copy_run(prepared, tmp_path / "two")
+    torchrun(two, "train.grad_accum=1", "train.max_steps=6", f"train.parallel={parallel}",
+             port=port)
+    rec1, rec2 = metrics(one_process), metrics(two)
     assert len(rec1) == len(rec2) == 6
     for a, b in zip(rec1, rec2):
         assert a["tokens"] == b["tokens"]
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
         assert a["acc"] == b["acc"]
-    assert Stage(two, 4).manifest()["counts"]["world_size"] == 2
+        assert a.get("val") == b.get("val")
+    counts = Stage(two, 4).manifest()["counts"]
+    assert counts["world_size"] == 2 and counts["parallel"] == parallel
+    # Checkpoints hold full tensors whatever the parallelism: the one-process layout, close
+    # values, plain (unsharded) optimizer moments.
+    w1 = load_file(find_latest(Stage(one_process, 4).dir) / "model.safetensors")
+    w2 = load_file(find_latest(Stage(two, 4).dir) / "model.safetensors")
+    assert {k: v.shape for k, v in w1.items()} == {k: v.shape for k, v in w2.items()}
+    for k in w1:
+        torch.testing.assert_close(w1[k], w2[k], rtol=1e-3, atol=1e-4, msg=k)
+    opt = torch.load(find_latest(Stage(two, 4).dir) / "trainer_state.pt",
+                     weights_only=False)["optimizer"]["state"]
+    assert opt and all(type(v["exp_avg"]) is torch.Tensor for v in opt.values())
+
+
+def test_fsdp_kill9_then_resume_equals_uninterrupted(prepared, tmp_path):
+    a = copy_run(prepared, tmp_path / "a")
+    b = copy_run(prepared, tmp_path / "b")
+    args = ("train.max_steps=6", "train.parallel=fsdp")
+    torchrun(a, *args, port=29537)
+    proc = torchrun(b, *args, port=29547, popen=True, log=open(tmp_path / "b.log", "w"))
+    train_dir = Stage(b, 4).dir
+    deadline = time.time() + 180
+    while not (train_dir / "step-2").is_dir():
+        assert proc.poll() is None and time.time() < deadline, (tmp_path / "b.log").read_text()
+        time.sleep(0.005)
+    # torchrun starts its workers in their own sessions: kill every process of this run.
+    os.killpg(proc.pid, signal.SIGKILL)
+    subprocess.run(["pkill", "-KILL", "-f", b.source])
+    proc.wait()
+    time.sleep(0.5)
+    assert not Stage(b, 4).is_done()
+    out = torchrun(b, *args, port=29557)
+    assert "resumed from step-" in out.stdout + out.stderr
+    la, lb = find_latest(Stage(a, 4).dir), find_latest(train_dir)
+    assert la.name == lb.name == "step-6"
+    wa, wb = load_file(la / "model.safetensors"), load_file(lb / "model.safetensors")
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+    assert metrics(a) == metrics(b)
+
+
+def test_tensorboard_scalars_follow_metrics(prepared, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    c = copy_run(prepared, tmp_path / "tb")
+    run_script("04_train.py", c, "train.max_steps=4", "train.tensorboard=true")
+    acc = EventAccumulator(str(Stage(c, 4).dir / "tensorboard"))
+    acc.Reload()
+    rec = metrics(c)
+    loss = acc.Scalars("train/loss")
+    assert [e.step for e in loss] == [r["step"] for r in rec]
+    assert [e.value for e in loss] == pytest.approx([r["loss"] for r in rec], rel=1e-6)
+    assert [e.value for e in acc.Scalars("train/acc_2")] == pytest.approx(
+        [r["acc"][2] for r in rec], rel=1e-6)
+    val = acc.Scalars("val/est_accept_len")
+    assert [e.step for e in val] == [r["step"] for r in rec if "val" in r]
 
 
 def test_finetune_from_a_trained_checkpoint(prepared, tmp_path):

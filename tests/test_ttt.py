@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from eagle3.model import DraftModelConfig, Eagle3DraftModel, apply_rope, rope_cos_sin
 from eagle3.hidden_states import pack
-from eagle3.train import StepStats, collate, make_teacher, ttt_forward
+from eagle3.train import StepStats, collate, make_teacher, teacher_rows, ttt_forward
 
 V, VD, H, HT, NAUX = 96, 40, 32, 24, 3
 
@@ -130,6 +130,32 @@ def test_ttt_matches_naive_reference(lengths, nbr):
         assert stats.full[k] == sum(r["alive"][k] for r in refs)
     torch.testing.assert_close(loss, torch.as_tensor(ref_loss, dtype=loss.dtype),
                                rtol=1e-6, atol=1e-6)  # loss math runs in fp32
+
+
+@pytest.mark.parametrize("steps", [1, 4])
+def test_teacher_only_on_supervised_rows_changes_nothing(steps):
+    """Skipping teacher rows no step reads (prompt positions) leaves loss, grads and counts
+    bit-identical; a row wrongly skipped would turn its target into the uniform one."""
+    model = tiny_model()
+    lm_head = torch.randn(V, HT, dtype=torch.float64)
+    docs = samples([14, 9, 12])
+    for d in docs:  # a prompt (no loss) then a supervised answer, as in real data
+        d["loss_mask"][: len(d["loss_mask"]) // 2] = 0
+    batch = collate(docs, max_tokens=1000)
+    draft_ids = torch.arange(VD) + model.d2t
+    rows = teacher_rows(batch)
+    assert 0 < int(rows.sum()) < batch.num_tokens // 2 + 3
+    results = []
+    for teacher in (make_teacher(batch.final, lm_head, draft_ids),
+                    make_teacher(batch.final, lm_head, draft_ids, rows)):
+        model.zero_grad()
+        loss, stats = ttt_forward(model, batch, teacher, steps, 0.8)
+        loss.backward()
+        results.append((loss.detach(), stats, [p.grad.clone() for p in model.parameters()
+                                                if p.grad is not None]))
+    (l1, s1, g1), (l2, s2, g2) = results
+    assert torch.equal(l1, l2) and s1 == s2
+    assert all(torch.equal(a, b) for a, b in zip(g1, g2))
 
 
 def test_packing_does_not_leak_between_documents():

@@ -1,0 +1,128 @@
+"""Training-time acceptance estimate against the engine, on the very sequences it served.
+
+    .venv/bin/python bench/bench_quality.py configs/smollm2-135m-quality.yaml [--k 3]
+
+Stage 06 records, for each MT-bench prompt, the answer vLLM wrote with the drafter at K
+speculative tokens, and the engine's mean acceptance length over those drafts. This rebuilds
+the same conversations (prompt + served answer, rendered with the verifier's template),
+captures the verifier's aux and final states as stage 02 does (same dtype round trip), and
+runs the exported checkpoint (`export.checkpoint`) through the TTT metric with K steps:
+estimated acceptance length = 1 + sum_k full_acc_k over the answer tokens. Both figures and
+their relative gap go to stdout and `runs/<name>/bench_quality_k<K>.json`.
+
+The two differ by construction in small ways: the engine drafts only from positions it reached
+(after each accepted run), the estimate from every answer position, and vLLM serves the
+verifier in its own dtype and kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from eagle3 import checkpoint as ckpt  # noqa: E402
+from eagle3.bench import load_mtbench_prompts  # noqa: E402
+from eagle3.config import load_config  # noqa: E402
+from eagle3.data import load_tokenizer, tokenize_conversation  # noqa: E402
+from eagle3.export import load_checkpoint, resolve_checkpoint  # noqa: E402
+from eagle3.hidden_states import (Capture, capture_samples, dequantize_fp8,  # noqa: E402
+                                  encode, load_text_decoder, pack)
+from eagle3.model import Eagle3DraftModel  # noqa: E402
+from eagle3.runs import Stage  # noqa: E402
+from eagle3.train import StepStats, collate, make_teacher, teacher_rows, ttt_forward  # noqa: E402
+
+
+def as_stored(aux: torch.Tensor, final: torch.Tensor, dtype: str,
+              n_aux: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(aux, final) after the round trip through stage 02's storage, as training saw them."""
+    enc = encode(aux, final, dtype, n_aux)
+    aux = dequantize_fp8(enc["aux"], enc["aux_scale"]) if "aux_scale" in enc else enc["aux"]
+    return aux.float(), enc["final"].float()
+
+
+def served_samples(cfg, k: int) -> tuple[list[dict[str, list[int]]], dict]:
+    """(input_ids and loss mask per served conversation, the engine's result for K=k)."""
+    result_path = Stage(cfg, 6).dir / "results" / f"k{k}.json"
+    if not result_path.is_file():
+        sys.exit(f"{result_path} missing: run `python 06_deploy_and_bench.py {cfg.source}` "
+                 f"with {k} in bench.num_speculative_tokens")
+    result = json.loads(result_path.read_text())
+    max_tokens = result["settings"]["max_tokens"]
+    tok = load_tokenizer(cfg)
+    samples = []
+    for p in load_mtbench_prompts(result["num_requests"]):
+        answer = result["outputs"][str(p["question_id"])]
+        ids, mask = tokenize_conversation(tok, [{"role": "user", "content": p["prompt"]},
+                                                {"role": "assistant", "content": answer}])
+        # An answer cut at max_tokens never produced the end-of-turn the template appends.
+        seen = 0
+        for i, m in enumerate(mask):
+            seen += m
+            if m and seen > max_tokens:
+                mask[i] = 0
+        samples.append({"input_ids": ids, "loss_mask": mask})
+    return samples, result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("config")
+    ap.add_argument("--k", type=int, default=3, help="speculative tokens of the bench run")
+    ap.add_argument("--batch-tokens", type=int, default=4096)
+    args = ap.parse_args()
+    cfg = load_config(args.config)
+    torch.set_grad_enabled(False)
+
+    samples, result = served_samples(cfg, args.k)
+    aux_ids = list(cfg.verifier_info.aux_layer_ids)
+    base = load_text_decoder(cfg.verifier_path, cfg.verifier.dtype, [torch.device("cpu")],
+                             cfg.verifier.trust_remote_code)
+    states = capture_samples(base, Capture(base, aux_ids), [s["input_ids"] for s in samples],
+                             args.batch_tokens)
+    del base
+    docs = []
+    for s, (aux, final) in zip(samples, states):
+        aux, final = as_stored(aux, final, cfg.hidden_states.dtype, len(aux_ids))
+        docs.append({"input_ids": torch.tensor(s["input_ids"]),
+                     "loss_mask": torch.tensor(s["loss_mask"]), "aux": aux, "final": final})
+
+    which = resolve_checkpoint(Stage(cfg, 4).dir, cfg.export.checkpoint)
+    draft, ckpt_aux, tensors = load_checkpoint(which)
+    if ckpt_aux != aux_ids:
+        sys.exit(f"{which} was trained on aux ids {ckpt_aux}, the config says {aux_ids}")
+    model = Eagle3DraftModel(draft).eval()
+    embed = ckpt.read_verifier_tensor(cfg.verifier_path, "embed")
+    model.load_state_dict({**tensors, "embed_tokens.weight": embed})
+    lm_head = ckpt.read_verifier_tensor(cfg.verifier_path, "lm_head").float()
+    draft_ids = torch.arange(len(model.d2t)) + model.d2t
+
+    stats = StepStats.zeros(args.k)
+    lengths = [len(d["input_ids"]) for d in docs]
+    for group in pack(lengths, list(range(len(docs))), args.batch_tokens):
+        batch = collate([docs[i] for i in group], args.batch_tokens)
+        teacher = make_teacher(batch.final, lm_head, draft_ids, teacher_rows(batch))
+        stats.add(ttt_forward(model, batch, teacher, args.k, 0.8)[1])
+    est = stats.metrics()
+    engine = result["mean_acceptance_length"]
+    out = {"checkpoint": str(which), "k": args.k, "prompts": len(docs),
+           "answer_tokens": int(sum(sum(s["loss_mask"]) for s in samples)),
+           "engine_accept_len": round(engine, 4),
+           "engine_per_position": [round(x, 4) for x in result["per_position_acceptance"]],
+           "estimate_accept_len": est["est_accept_len"], "estimate_full_acc": est["full_acc"],
+           "estimate_acc": est["acc"],
+           "relative_gap": round((est["est_accept_len"] - engine) / engine, 4)}
+    path = Path(cfg.run_dir) / f"bench_quality_k{args.k}.json"
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    print(json.dumps(out, indent=1))
+    print(f"engine {engine:.3f} vs training-time estimate {est['est_accept_len']:.3f} "
+          f"({100 * out['relative_gap']:+.1f}%) -> {path}")
+
+
+if __name__ == "__main__":
+    main()
