@@ -418,7 +418,7 @@ def run_train(stage: Stage) -> None:
     parallel = tc.parallel if ctx.world_size > 1 else "none"
     objective: torch.nn.Module = TTTObjective(model, tc.ttt_steps, tc.step_decay)
     if parallel == "fsdp":
-        dist.shard(objective, list(model.layers))
+        dist.shard(objective)
     elif parallel == "ddp":
         # d2t/t2d are the only buffers and never change: no per-forward buffer broadcast.
         objective = torch.nn.parallel.DistributedDataParallel(
