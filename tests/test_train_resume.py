@@ -180,7 +180,7 @@ def test_two_processes_match_one_process_with_the_same_global_batch(
     assert opt and all(type(v["exp_avg"]) is torch.Tensor for v in opt.values())
 
 
-def test_fsdp_kill9_then_resume_equals_uninterrupted(prepared, tmp_path):
+def test_fsdp_kill9_then_resume_equals_uninterrupted_and_resumes_under_ddp(prepared, tmp_path):
     a = copy_run(prepared, tmp_path / "a")
     b = copy_run(prepared, tmp_path / "b")
     args = ("train.max_steps=6", "train.parallel=fsdp")
@@ -197,6 +197,9 @@ def test_fsdp_kill9_then_resume_equals_uninterrupted(prepared, tmp_path):
     proc.wait()
     time.sleep(0.5)
     assert not Stage(b, 4).is_done()
+    # The same crashed run resumed under DDP: checkpoints do not depend on the parallelism.
+    c = copy_run(prepared, tmp_path / "c")
+    shutil.copytree(train_dir, Stage(c, 4).dir)
     out = torchrun(b, *args, port=29557)
     assert "resumed from step-" in out.stdout + out.stderr
     la, lb = find_latest(Stage(a, 4).dir), find_latest(train_dir)
@@ -205,6 +208,13 @@ def test_fsdp_kill9_then_resume_equals_uninterrupted(prepared, tmp_path):
     for k in wa:
         assert torch.equal(wa[k], wb[k]), k
     assert metrics(a) == metrics(b)
+
+    out = torchrun(c, "train.max_steps=6", "train.parallel=ddp", port=29567)
+    assert "resumed from step-" in out.stdout + out.stderr
+    wc = load_file(find_latest(Stage(c, 4).dir) / "model.safetensors")
+    for k in wa:
+        torch.testing.assert_close(wa[k], wc[k], rtol=1e-4, atol=1e-5, msg=k)
+    assert Stage(c, 4).manifest()["counts"]["parallel"] == "ddp"
 
 
 def test_tensorboard_scalars_follow_metrics(prepared, tmp_path):

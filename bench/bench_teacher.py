@@ -1,0 +1,79 @@
+"""Teacher cost per training batch: every row vs only the rows a TTT step reads.
+
+    .venv/bin/python bench/bench_teacher.py configs/smollm2-135m-quality.yaml [--batches 20]
+
+The teacher is the verifier's full-vocabulary product (hidden x vocab per token, 576 x 49152
+for SmolLM2), used for the draft-vocabulary soft target and the in-vocabulary argmax. Prompt
+positions carry no loss, so `teacher_rows` skips them. This times `make_teacher` both ways and
+one whole training micro-batch (teacher + TTT forward + backward, the trainer's path) on the
+first packed batches of a finished stage 02, as the trainer builds them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from eagle3 import checkpoint as ckpt  # noqa: E402
+from eagle3.config import load_config  # noqa: E402
+from eagle3.hidden_states import HiddenStates  # noqa: E402
+from eagle3.runs import Stage  # noqa: E402
+from eagle3.train import (build_model, collate, epoch_batches, make_teacher,  # noqa: E402
+                          teacher_rows, ttt_forward)
+from eagle3.vocab import load_vocab  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("config")
+    ap.add_argument("--batches", type=int, default=20)
+    args = ap.parse_args()
+    cfg = load_config(args.config)
+    tc = cfg.train
+    data = HiddenStates(Stage(cfg, 2).dir)
+    d2t, t2d = load_vocab(Stage(cfg, 3).dir)
+    lm_head = ckpt.read_verifier_tensor(cfg.verifier_path, "lm_head").float()
+    draft_ids = torch.arange(len(d2t)) + d2t
+    model = build_model(cfg, d2t, t2d, lm_head)
+    lengths = [data.num_tokens(i) for i in range(len(data))]
+    groups = epoch_batches(lengths, list(range(len(data))), tc.batch_tokens, tc.seed, 0)
+    batches = [collate([data[i] for i in g], tc.batch_tokens) for g in groups[:args.batches]]
+    for b in batches:
+        b.aux, b.final = b.aux.float(), b.final.float()
+    tokens = sum(b.num_tokens for b in batches)
+    needed = sum(int(teacher_rows(b).sum()) for b in batches)
+
+    def timed(fn) -> float:
+        fn(batches[0])  # warm-up
+        start = time.perf_counter()
+        for b in batches:
+            fn(b)
+        return time.perf_counter() - start
+
+    def step(rows: bool):
+        def run(b):
+            t = make_teacher(b.final, lm_head, draft_ids, teacher_rows(b) if rows else None)
+            loss, _ = ttt_forward(model, b, t, tc.ttt_steps, tc.step_decay)
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+        return run
+
+    all_rows = timed(lambda b: make_teacher(b.final, lm_head, draft_ids))
+    some_rows = timed(lambda b: make_teacher(b.final, lm_head, draft_ids, teacher_rows(b)))
+    step_all, step_some = timed(step(False)), timed(step(True))
+    print(f"{len(batches)} batches, {tokens} tokens, teacher rows read by TTT: {needed} "
+          f"({100 * needed / tokens:.1f}%), torch threads {torch.get_num_threads()}")
+    print(f"teacher, every row      {all_rows:7.2f} s")
+    print(f"teacher, rows read only {some_rows:7.2f} s  ({all_rows / some_rows:.2f}x)")
+    print(f"training micro-batch    {tokens / step_all:7.0f} tok/s every row, "
+          f"{tokens / step_some:7.0f} tok/s rows read only ({step_all / step_some:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
