@@ -52,6 +52,14 @@ def copy_run(cfg, dest: Path):
                    source=str(dest / "config.yaml"))
 
 
+def wait_for(path: Path, proc: subprocess.Popen, log: Path, timeout: float = 180) -> None:
+    """Poll until `path` exists (a checkpoint became visible) while `proc` keeps running."""
+    deadline = time.time() + timeout
+    while not path.is_dir():
+        assert proc.poll() is None and time.time() < deadline, log.read_text()
+        time.sleep(0.005)
+
+
 def test_kill9_then_resume_equals_uninterrupted(prepared, tmp_path):
     a = copy_run(prepared, tmp_path / "a")
     b = copy_run(prepared, tmp_path / "b")
@@ -63,10 +71,7 @@ def test_kill9_then_resume_equals_uninterrupted(prepared, tmp_path):
     proc = subprocess.Popen([sys.executable, "04_train.py", b.source], cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=open(tmp_path / "b.log", "w"))
     train_dir = Stage(b, 4).dir
-    deadline = time.time() + 120
-    while not (train_dir / "step-2").is_dir():
-        assert proc.poll() is None and time.time() < deadline, (tmp_path / "b.log").read_text()
-        time.sleep(0.005)
+    wait_for(train_dir / "step-2", proc, tmp_path / "b.log")
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not Stage(b, 4).is_done(), "killed before the end: no manifest may exist"
@@ -187,10 +192,7 @@ def test_fsdp_kill9_then_resume_equals_uninterrupted_and_resumes_under_ddp(prepa
     torchrun(a, *args, port=29537)
     proc = torchrun(b, *args, port=29547, popen=True, log=open(tmp_path / "b.log", "w"))
     train_dir = Stage(b, 4).dir
-    deadline = time.time() + 180
-    while not (train_dir / "step-2").is_dir():
-        assert proc.poll() is None and time.time() < deadline, (tmp_path / "b.log").read_text()
-        time.sleep(0.005)
+    wait_for(train_dir / "step-2", proc, tmp_path / "b.log")
     # torchrun starts its workers in their own sessions: kill every process of this run.
     os.killpg(proc.pid, signal.SIGKILL)
     subprocess.run(["pkill", "-KILL", "-f", b.source])
