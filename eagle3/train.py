@@ -359,6 +359,8 @@ def run_train(stage: Stage) -> None:
     tc = cfg.train
     hs_manifest = stage.require(2)
     stage.require(3)
+    if tc.tensorboard:
+        _tensorboard_writer_class()  # fail on every rank before any work, not later on rank 0
     started = time.time()
     ctx = dist.init()
     device = ctx.device
@@ -599,15 +601,20 @@ def _truncate_metrics(path: Path, step: int) -> None:
     atomic_write_text(path, "".join(x + "\n" for x in keep))
 
 
-def _tensorboard(train_dir: Path, step: int) -> Any:
-    """A SummaryWriter under 04_train/tensorboard/; on resume, events after `step` (logged
-    again by this run) are purged, as metrics.jsonl is truncated."""
+def _tensorboard_writer_class() -> Any:
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         raise StageError("train.tensorboard=true needs TensorBoard: pip install tensorboard "
                          "(or set train.tensorboard=false)") from None
-    return SummaryWriter(str(train_dir / "tensorboard"), purge_step=step + 1 if step else None)
+    return SummaryWriter
+
+
+def _tensorboard(train_dir: Path, step: int) -> Any:
+    """A SummaryWriter under 04_train/tensorboard/; on resume, events after `step` (logged
+    again by this run) are purged, as metrics.jsonl is truncated."""
+    return _tensorboard_writer_class()(str(train_dir / "tensorboard"),
+                                       purge_step=step + 1 if step else None)
 
 
 def _tensorboard_record(tb: Any, record: dict[str, Any]) -> None:

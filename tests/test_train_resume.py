@@ -252,3 +252,16 @@ def test_finetune_from_a_trained_checkpoint(prepared, tmp_path):
     bad = copy_run(prepared, tmp_path / "bad")
     out = run_script("04_train.py", bad, "--finetune-from", str(base), check=False)
     assert out.returncode == 2
+
+
+def test_tensorboard_missing_fails_before_training(prepared, tmp_path):
+    c = copy_run(prepared, tmp_path / "notb")
+    shadow = tmp_path / "shadow" / "tensorboard"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('tensorboard is not installed')\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(shadow.parent)}
+    out = subprocess.run([sys.executable, "04_train.py", c.source, "train.tensorboard=true"],
+                         cwd=REPO, env=env, capture_output=True, text=True)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "pip install tensorboard" in out.stderr
+    assert not list(Stage(c, 4).dir.glob("step-*"))
