@@ -100,8 +100,8 @@ def all_sum(value: int) -> int:
 # FSDP (fully_shard): parameters, gradients and optimizer state split over the ranks.
 #
 # A checkpoint always holds full, unsharded tensors in the single-process layout, so a run
-# written under FSDP resumes under DDP or on one process of the same world size and vice
-# versa, and the exported drafter never depends on how it was trained.
+# written under FSDP resumes under DDP (same world size) and vice versa, and the exported
+# drafter never depends on how it was trained.
 
 
 def shard(objective: torch.nn.Module) -> torch.nn.Module:
@@ -148,6 +148,6 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, sd: dict,
     optimizer.load_state_dict({**sd, "state": state})
 
 
-def local_scalar(t: torch.Tensor) -> float:
+def to_float(t: torch.Tensor) -> float:
     """A scalar that may be a DTensor (e.g. clip_grad_norm_'s total norm under FSDP)."""
     return float(t.full_tensor() if _is_dtensor(t) else t)

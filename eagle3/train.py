@@ -534,7 +534,7 @@ def run_train(stage: Stage) -> None:
                   "loss": round(sum(tc.step_decay ** k * x / len(step_groups)
                                     for k, x in enumerate(step_stats.loss)), 5),
                   "lr": scheduler.get_last_lr()[0],
-                  "grad_norm": round(dist.local_scalar(grad_norm), 4),
+                  "grad_norm": round(dist.to_float(grad_norm), 4),
                   "tokens": state.tokens_seen, **step_stats.metrics()}
         val = None
         if state.step % tc.checkpoint_every == 0 or state.step == total_steps:
