@@ -1,12 +1,14 @@
-"""Teacher cost per training batch: every row vs only the rows a TTT step reads.
+"""Training micro-batch cost on CPU: the teacher on every row vs only the rows a TTT step
+reads, and fp32 vs bf16 autocast (`train.autocast`).
 
     .venv/bin/python bench/bench_teacher.py configs/smollm2-135m-quality.yaml [--batches 20]
 
 The teacher is the verifier's full-vocabulary product (hidden x vocab per token, 576 x 49152
 for SmolLM2), used for the draft-vocabulary soft target and the in-vocabulary argmax. Prompt
 positions carry no loss, so `teacher_rows` skips them. This times `make_teacher` both ways and
-one whole training micro-batch (teacher + TTT forward + backward, the trainer's path) on the
-first packed batches of a finished stage 02, as the trainer builds them.
+one whole training micro-batch (teacher + TTT forward + backward, the trainer's path), in fp32
+and under bf16 autocast, on the first packed batches of a finished stage 02, as the trainer
+builds them.
 """
 
 from __future__ import annotations
@@ -56,10 +58,11 @@ def main() -> None:
             fn(b)
         return time.perf_counter() - start
 
-    def step(rows: bool):
+    def step(rows: bool, bf16: bool = False):
         def run(b):
             t = make_teacher(b.final, lm_head, draft_ids, teacher_rows(b) if rows else None)
-            loss, _ = ttt_forward(model, b, t, tc.ttt_steps, tc.step_decay)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                loss, _ = ttt_forward(model, b, t, tc.ttt_steps, tc.step_decay)
             loss.backward()
             model.zero_grad(set_to_none=True)
         return run
@@ -67,12 +70,15 @@ def main() -> None:
     all_rows = timed(lambda b: make_teacher(b.final, lm_head, draft_ids))
     some_rows = timed(lambda b: make_teacher(b.final, lm_head, draft_ids, teacher_rows(b)))
     step_all, step_some = timed(step(False)), timed(step(True))
+    step_bf16 = timed(step(True, bf16=True))
     print(f"{len(batches)} batches, {tokens} tokens, teacher rows read by TTT: {needed} "
           f"({100 * needed / tokens:.1f}%), torch threads {torch.get_num_threads()}")
     print(f"teacher, every row      {all_rows:7.2f} s")
     print(f"teacher, rows read only {some_rows:7.2f} s  ({all_rows / some_rows:.2f}x)")
     print(f"training micro-batch    {tokens / step_all:7.0f} tok/s every row, "
           f"{tokens / step_some:7.0f} tok/s rows read only ({step_all / step_some:.2f}x)")
+    print(f"  + bf16 autocast       {tokens / step_bf16:7.0f} tok/s "
+          f"({step_some / step_bf16:.2f}x over fp32)")
 
 
 if __name__ == "__main__":

@@ -326,6 +326,10 @@ class TrainConfig:
     """Under torchrun: `ddp` replicates the drafter on every rank; `fsdp` (FSDP2 fully_shard)
     splits weights, gradients and AdamW moments over the ranks, for drafters whose ~16 bytes
     per trainable parameter do not fit one device. Checkpoints are the same either way."""
+    autocast: Literal["auto", "bf16", "off"] = "auto"
+    """bf16 autocast of the drafter's forward/backward, weights and AdamW state staying fp32.
+    `auto`: on for CUDA, off on CPU, where the tests rely on exact fp32 (bf16 on a CPU with
+    AMX trains ~1.3x faster per micro-batch: bench/bench_teacher.py)."""
     tensorboard: bool = False
     """Also write the metrics as TensorBoard scalars under 04_train/tensorboard/
     (needs `pip install tensorboard`)."""

@@ -364,9 +364,9 @@ def run_train(stage: Stage) -> None:
     started = time.time()
     ctx = dist.init()
     device = ctx.device
-    dtype = torch.float32  # fp32 master weights; bf16 autocast on GPU below
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else \
-        torch.autocast("cpu", enabled=False)
+    dtype = torch.float32  # fp32 master weights; bf16 compute under `train.autocast`
+    bf16 = tc.autocast == "bf16" or (tc.autocast == "auto" and device.type == "cuda")
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
 
     data = HiddenStates(stage.upstream(2).dir)
     if not data.final_is_post_norm:
