@@ -196,30 +196,12 @@ class BaseDrafter:
     t2d: Optional[torch.Tensor]
     embed: Optional[torch.Tensor]
     """`embed_tokens.weight` when the base ships one (it must equal the verifier's)."""
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    num_layers: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    vocab_size: int
-    draft_vocab_size: int
-    target_hidden_size: int
-    norm_before_residual: bool
+    shape: DraftModelConfig
+    """Our model config with exactly the base's shape and numerics."""
     aux_layer_ids: Optional[list[int]]
     """As written in the base's config, in its engine's convention (see `aux_ids_internal`)."""
     unsupported_flags: list[str] = field(default_factory=list)
     """EAGLE-3.1 / speculators options set in the config that our model does not have."""
-
-    @property
-    def num_aux(self) -> int:
-        fc = self.weights.get("fc.weight")
-        if fc is not None and fc.dim() == 2 and self.target_hidden_size:
-            return fc.shape[1] // self.target_hidden_size
-        return len(self.aux_layer_ids) if self.aux_layer_ids else 3
 
     def aux_ids_internal(self, sglang_convention: str = "post-25454") -> Optional[list[int]]:
         """The aux ids as HF `output_hidden_states` indices (our convention).
@@ -233,18 +215,6 @@ class BaseDrafter:
         if sglang_convention == "pre-25454" or (ids and ids[0] == 1):
             return [i + 1 for i in ids]
         return list(ids)
-
-    def draft_config(self) -> DraftModelConfig:
-        """Our model config with exactly the base's shape and numerics."""
-        return DraftModelConfig(
-            hidden_size=self.hidden_size, target_hidden_size=self.target_hidden_size,
-            num_aux=self.num_aux, intermediate_size=self.intermediate_size,
-            num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
-            num_layers=self.num_layers, rms_norm_eps=self.rms_norm_eps,
-            rope_theta=self.rope_theta, max_position_embeddings=self.max_position_embeddings,
-            vocab_size=self.vocab_size, draft_vocab_size=self.draft_vocab_size,
-            norm_before_residual=self.norm_before_residual)
 
 
 _WEIGHT_CANDIDATES = ("model.safetensors.index.json", "model.safetensors",
@@ -361,9 +331,13 @@ def load_base_drafter(path: str | Path) -> BaseDrafter:
     if vocab is None:
         vocab = len(t2d) if t2d is not None else (embed.shape[0] if embed is not None else 0)
     theta = _rope_theta(layer)
-    return BaseDrafter(
-        path=path, layout=layout, weights=weights, d2t=d2t, t2d=t2d, embed=embed,
-        hidden_size=hidden,
+    target_hidden = int(cfg.get("target_hidden_size") or layer.get("target_hidden_size")
+                        or hidden)
+    fc = weights.get("fc.weight")
+    num_aux = (fc.shape[1] // target_hidden if fc is not None and fc.dim() == 2
+               else len(aux) if aux else 3)
+    shape = DraftModelConfig(
+        hidden_size=hidden, target_hidden_size=target_hidden, num_aux=num_aux,
         intermediate_size=int(layer.get("intermediate_size",
                                         gate.shape[0] if gate is not None else 0)),
         num_attention_heads=heads,
@@ -375,11 +349,11 @@ def load_base_drafter(path: str | Path) -> BaseDrafter:
         rope_theta=theta if theta is not None else 10000.0,  # transformers' Llama default
         max_position_embeddings=int(layer.get("max_position_embeddings", 2048)),
         vocab_size=int(vocab), draft_vocab_size=int(draft_vocab or 0),
-        target_hidden_size=int(cfg.get("target_hidden_size") or layer.get("target_hidden_size")
-                               or hidden),
         # speculators (and vLLM reading a speculators config) default to true when absent;
         # SGLang/EAGLE have only the false variant.
-        norm_before_residual=bool(cfg.get("norm_before_residual", nested)),
+        norm_before_residual=bool(cfg.get("norm_before_residual", nested)))
+    return BaseDrafter(
+        path=path, layout=layout, weights=weights, d2t=d2t, t2d=t2d, embed=embed, shape=shape,
         aux_layer_ids=None if aux is None else [int(i) for i in aux],
         unsupported_flags=_unsupported(cfg, layer))
 
@@ -406,13 +380,14 @@ def finetune_draft_config(draft_cfg: DraftModelConfig, base: BaseDrafter,
     hidden sizes, aux count and vocabulary (fixed by the verifier and 03_vocab), num_layers and
     norm_before_residual (the user's draft section).
     """
+    b = base.shape
     return dataclasses.replace(
-        draft_cfg, num_attention_heads=base.num_attention_heads,
-        num_key_value_heads=base.num_key_value_heads, head_dim=base.head_dim,
-        intermediate_size=intermediate_size or base.intermediate_size,
-        rms_norm_eps=base.rms_norm_eps, rope_theta=base.rope_theta,
+        draft_cfg, num_attention_heads=b.num_attention_heads,
+        num_key_value_heads=b.num_key_value_heads, head_dim=b.head_dim,
+        intermediate_size=intermediate_size or b.intermediate_size,
+        rms_norm_eps=b.rms_norm_eps, rope_theta=b.rope_theta,
         max_position_embeddings=max(draft_cfg.max_position_embeddings,
-                                    base.max_position_embeddings))
+                                    b.max_position_embeddings))
 
 
 def _file_key(base: BaseDrafter, key: str) -> str:
@@ -436,31 +411,27 @@ def check_base(base: BaseDrafter, draft_cfg: DraftModelConfig, verifier_embed: t
     `allow_remap`, in which case its lm_head/d2t may have another draft size.
     """
     problems = [f"config: {u}" for u in base.unsupported_flags]
-    facts = {"hidden_size": "hidden_size", "target_hidden_size": "target_hidden_size",
-             "num_aux": "num_aux", "intermediate_size": "intermediate_size",
-             "num_attention_heads": "num_attention_heads",
-             "num_key_value_heads": "num_key_value_heads", "head_dim": "head_dim",
-             "num_layers": "num_layers", "vocab_size": "vocab_size"}
-    if not allow_remap:
-        facts["draft_vocab_size"] = "draft_vocab_size"
-    for ours, theirs in facts.items():
-        want, got = getattr(draft_cfg, ours), getattr(base, theirs)
+    facts = ["hidden_size", "target_hidden_size", "num_aux", "intermediate_size",
+             "num_attention_heads", "num_key_value_heads", "head_dim", "num_layers",
+             "vocab_size"] + ([] if allow_remap else ["draft_vocab_size"])
+    for name in facts:
+        want, got = getattr(draft_cfg, name), getattr(base.shape, name)
         if want != got:
-            problems.append(f"config: base has {theirs}={got}, our drafter {ours}={want}")
-    if base.norm_before_residual != draft_cfg.norm_before_residual:
+            problems.append(f"config: base has {name}={got}, our drafter {name}={want}")
+    if base.shape.norm_before_residual != draft_cfg.norm_before_residual:
         problems.append(f"config: base was trained with norm_before_residual="
-                        f"{base.norm_before_residual}, our drafter has "
+                        f"{base.shape.norm_before_residual}, our drafter has "
                         f"{draft_cfg.norm_before_residual}: set draft.norm_before_residual="
-                        f"{str(base.norm_before_residual).lower()}")
+                        f"{str(base.shape.norm_before_residual).lower()}")
     for name in ("rms_norm_eps", "rope_theta"):
-        if float(getattr(base, name)) != float(getattr(draft_cfg, name)):
-            problems.append(f"config: base has {name}={getattr(base, name)}, our drafter "
+        if float(getattr(base.shape, name)) != float(getattr(draft_cfg, name)):
+            problems.append(f"config: base has {name}={getattr(base.shape, name)}, our drafter "
                             f"{getattr(draft_cfg, name)} (build it with "
                             f"finetune_draft_config)")
 
     shape_cfg = draft_cfg
-    if allow_remap and base.draft_vocab_size > 0:
-        shape_cfg = dataclasses.replace(draft_cfg, draft_vocab_size=base.draft_vocab_size)
+    if allow_remap and base.shape.draft_vocab_size > 0:
+        shape_cfg = dataclasses.replace(draft_cfg, draft_vocab_size=base.shape.draft_vocab_size)
     expected = expected_tensors(shape_cfg, "speculators")
     present = dict(base.weights)
     for name, t in (("d2t", base.d2t), ("t2d", base.t2d)):
@@ -483,9 +454,9 @@ def check_base(base: BaseDrafter, draft_cfg: DraftModelConfig, verifier_embed: t
         elif dtype is None and not t.is_floating_point():
             problems.append(f"`{_file_key(base, key)}` has dtype {t.dtype}, expected float")
     if (base.d2t is not None and base.t2d is not None and base.d2t.dtype == torch.int64
-            and base.t2d.dtype == torch.bool and base.t2d.numel() == base.vocab_size):
-        problems += [f"base {p}" for p in
-                     vocab_map_problems(base.d2t, base.t2d, base.d2t.numel(), base.vocab_size)]
+            and base.t2d.dtype == torch.bool and base.t2d.numel() == base.shape.vocab_size):
+        problems += [f"base {p}" for p in vocab_map_problems(
+            base.d2t, base.t2d, base.d2t.numel(), base.shape.vocab_size)]
 
     if base.embed is not None:
         if tuple(base.embed.shape) != tuple(verifier_embed.shape):

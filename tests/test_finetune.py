@@ -106,8 +106,8 @@ def test_finetune_reproduces_base_logits(tmp_path, fmt, nbr, layers):
     base_dir = write_base(tmp_path, fmt, ref)
     base = load_base_drafter(base_dir)
     assert base.layout == fmt
-    assert base.norm_before_residual is nbr and base.num_layers == layers
-    assert base.draft_config() == cfg
+    assert base.shape.norm_before_residual is nbr and base.shape.num_layers == layers
+    assert base.shape == cfg
     model = finetuned(base_dir, cfg, ref.embed_tokens.weight)
     for a, b in zip(logits_of(ref), logits_of(model)):
         assert torch.equal(a, b)
@@ -169,12 +169,12 @@ def test_config_defaults_and_aux_ids(tmp_path):
     ref = random_model()
     spec = write_base(tmp_path, "speculators", ref, "spec")
     edit(spec, config=lambda c: c.pop("norm_before_residual"))
-    assert load_base_drafter(spec).norm_before_residual is True  # speculators' default
+    assert load_base_drafter(spec).shape.norm_before_residual is True  # speculators' default
     assert load_base_drafter(spec).aux_layer_ids == _AUX
     sgl = write_base(tmp_path, "sglang", ref, "sgl")
     edit(sgl, config=lambda c: c.pop("norm_before_residual"))
     base = load_base_drafter(sgl)
-    assert base.norm_before_residual is False
+    assert base.shape.norm_before_residual is False
     assert base.aux_layer_ids == _AUX and base.aux_ids_internal("post-25454") == _AUX
     assert base.aux_ids_internal("pre-25454") == [3, 5, 7]
     edit(sgl, config=lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[1, 3]))
