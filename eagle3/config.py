@@ -319,6 +319,10 @@ class TrainConfig:
     """Seed of initialization and data order."""
     finetune_from: Optional[str] = None
     """Pretrained drafter to start from (set by `04_train.py --finetune-from PATH`)."""
+    loss_on: Literal["assistant", "all"] = "assistant"
+    """Training positions: `assistant` (loss_mask = 1, the answers the verifier wrote) or `all`
+    (prompt tokens too, against the verifier's distribution there: more signal from the same
+    hidden states). Validation metrics always count assistant tokens only."""
     freeze_lm_head: bool = False
     """Keep `lm_head` at the verifier's rows (speculators' choice): the drafter then only has
     to imitate the verifier's final hidden state, which learns faster on little data."""

@@ -8,7 +8,8 @@ verifier's final states f_t, TTT step k at position t:
     target       x_{t+2+k}; teacher = softmax over the draft vocabulary of lm_head(f_{t+1+k})
     RoPE         position t + k; attends to step-0 keys <= t (same document) and to its own
                  earlier steps' keys at t
-    counted      when x_{t+2+k} is inside the document and loss_mask[t+2+k] = 1
+    counted      when x_{t+2+k} is inside the document and loss_mask[t+2+k] = 1 (in training
+                 with `train.loss_on=all`, every position: prompts too; never in validation)
 The loss of step k is the soft cross-entropy against the teacher over positions counted whose
 teacher argmax lies in the draft vocabulary, divided by the positions counted; steps are
 weighted step_decay**k and summed. Metrics: acc_k (draft argmax == verifier argmax), full_acc_k
@@ -88,6 +89,15 @@ def collate(samples: list[dict[str, torch.Tensor]], max_tokens: int) -> Batch:
         start += T
     cat = lambda xs: torch.cat(xs)[None]  # noqa: E731
     return Batch(cat(ids), cat(masks), cat(aux), cat(final), cat(doc_ids), cat(pos), cat(end))
+
+
+def training_targets(batch: Batch, loss_on: str) -> Batch:
+    """The batch whose `loss_mask` training uses: unchanged for `assistant`; every position for
+    `all`. Prompt positions still have the verifier's distribution as their teacher, so they add
+    signal without any extra generation or extraction; validation never calls this."""
+    if loss_on == "all":
+        return dataclasses.replace(batch, loss_mask=torch.ones_like(batch.loss_mask))
+    return batch
 
 
 def epoch_batches(lengths: list[int], indices: list[int], budget: int, seed: int,
@@ -512,6 +522,7 @@ def run_train(stage: Stage) -> None:
         step_stats = StepStats.zeros(tc.ttt_steps)
         for n, (group, weight) in enumerate(work):
             batch = collate([data[i] for i in group], tc.batch_tokens).to(device, dtype)
+            batch = training_targets(batch, tc.loss_on)
             teacher = make_teacher(batch.final, lm_head, draft_ids, teacher_rows(batch))
             with _grad_sync(objective, n == len(work) - 1), autocast:
                 loss, s = objective(batch, teacher)

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from eagle3.model import DraftModelConfig, Eagle3DraftModel, apply_rope, rope_cos_sin
 from eagle3.hidden_states import pack
-from eagle3.train import StepStats, collate, make_teacher, teacher_rows, ttt_forward
+from eagle3.train import (StepStats, collate, make_teacher, teacher_rows, training_targets,
+                          ttt_forward)
 
 V, VD, H, HT, NAUX = 96, 40, 32, 24, 3
 
@@ -156,6 +157,30 @@ def test_teacher_only_on_supervised_rows_changes_nothing(steps):
     (l1, s1, g1), (l2, s2, g2) = results
     assert torch.equal(l1, l2) and s1 == s2
     assert all(torch.equal(a, b) for a, b in zip(g1, g2))
+
+
+def test_loss_on_all_trains_on_prompt_positions_too():
+    """`train.loss_on=all` counts every in-document target (prompt tokens too) and its teacher
+    is computed there; `assistant` counts exactly the loss-masked targets."""
+    model = tiny_model()
+    lm_head = torch.randn(V, HT, dtype=torch.float64)
+    docs = samples([14, 9])
+    for d in docs:
+        d["loss_mask"][:] = 1
+        d["loss_mask"][: len(d["loss_mask"]) // 2] = 0
+    batch = collate(docs, max_tokens=1000)
+    draft_ids = torch.arange(VD) + model.d2t
+    assert training_targets(batch, "assistant") is batch
+    counts = {}
+    for loss_on in ("assistant", "all"):
+        b = training_targets(batch, loss_on)
+        teacher = make_teacher(b.final, lm_head, draft_ids, teacher_rows(b))
+        counts[loss_on] = ttt_forward(model, b, teacher, 3, 0.8)[1].counted
+    # step k at aux position t >= 0 predicts x_{t+2+k}, t+2+k < L (a document of length L)
+    assert counts["all"] == [sum(L - 2 - k for L in (14, 9)) for k in range(3)]
+    assert counts["assistant"] == [sum(L - max(2 + k, L // 2) for L in (14, 9))
+                                   for k in range(3)]
+    assert torch.equal(batch.loss_mask.sum(), torch.tensor(7 + 5))  # the input is untouched
 
 
 def test_packing_does_not_leak_between_documents():
