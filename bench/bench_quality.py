@@ -1,6 +1,6 @@
 """Training-time acceptance estimate against the engine, on the very sequences it served.
 
-    .venv/bin/python bench/bench_quality.py configs/smollm2-135m-quality.yaml [--k 3]
+    .venv/bin/python bench/bench_quality.py configs/smollm2-135m-quality.yaml [--k 3] [section.key=value ...]
 
 Stage 06 records, for each MT-bench prompt, the answer vLLM wrote with the drafter at K
 speculative tokens, and the engine's mean acceptance length over those drafts. This rebuilds
@@ -73,10 +73,11 @@ def served_samples(cfg, k: int) -> tuple[list[dict[str, list[int]]], dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("config")
+    ap.add_argument("overrides", nargs="*", help="section.key=value, as given to the stages")
     ap.add_argument("--k", type=int, default=3, help="speculative tokens of the bench run")
     ap.add_argument("--batch-tokens", type=int, default=4096)
     args = ap.parse_args()
-    cfg = load_config(args.config)
+    cfg = load_config(args.config, args.overrides)
     torch.set_grad_enabled(False)
 
     samples, result = served_samples(cfg, args.k)
