@@ -322,7 +322,8 @@ class TrainConfig:
     loss_on: Literal["assistant", "all"] = "assistant"
     """Training positions: `assistant` (loss_mask = 1, the answers the verifier wrote) or `all`
     (prompt tokens too, against the verifier's distribution there: more signal from the same
-    hidden states). Validation metrics always count assistant tokens only."""
+    hidden states; the training metrics then count prompt tokens too). Validation metrics always
+    count assistant tokens only."""
     freeze_lm_head: bool = False
     """Keep `lm_head` at the verifier's rows (speculators' choice): the drafter then only has
     to imitate the verifier's final hidden state, which learns faster on little data."""
