@@ -5,10 +5,10 @@ reads, and fp32 vs bf16 autocast (`train.autocast`).
 
 The teacher is the verifier's full-vocabulary product (hidden x vocab per token, 576 x 49152
 for SmolLM2), used for the draft-vocabulary soft target and the in-vocabulary argmax. Prompt
-positions carry no loss, so `teacher_rows` skips them. This times `make_teacher` both ways and
-one whole training micro-batch (teacher + TTT forward + backward, the trainer's path), in fp32
-and under bf16 autocast, on the first packed batches of a finished stage 02, as the trainer
-builds them.
+positions carry no loss under the default `train.loss_on: assistant`, so `teacher_rows`
+skips them. This times `make_teacher` both ways and one whole training micro-batch (teacher +
+TTT forward + backward, the trainer's path), in fp32 and under bf16 autocast, on the first
+packed batches of a finished stage 02, as the trainer builds them.
 """
 
 from __future__ import annotations
