@@ -1,6 +1,6 @@
 """The verifier answers training prompts: conversations, token ids and assistant loss masks.
 
-    python 01_generate_data.py configs/smollm2-135m-cpu.yaml [section.key=value ...] [--restart]
+    python 01_generate_data.py configs/smollm2-135m-cpu.yaml [section.key=value ...] [--restart | --repair]
 
 Writes <run>/01_data/; rerun after a crash to continue where it stopped.
 """

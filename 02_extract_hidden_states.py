@@ -1,6 +1,6 @@
 """Capture the verifier's aux and final hidden states for every training sample.
 
-    python 02_extract_hidden_states.py configs/smollm2-135m-cpu.yaml [section.key=value ...] [--restart]
+    python 02_extract_hidden_states.py configs/smollm2-135m-cpu.yaml [section.key=value ...] [--restart | --repair]
 
 Writes <run>/02_hidden_states/; rerun after a crash to continue where it stopped.
 """

@@ -1,6 +1,6 @@
 """Build the draft vocabulary (d2t offsets, t2d mask) from loss-masked token counts.
 
-    python 03_build_vocab_map.py configs/smollm2-135m-cpu.yaml [section.key=value ...] [--restart]
+    python 03_build_vocab_map.py configs/smollm2-135m-cpu.yaml [section.key=value ...] [--restart | --repair]
 
 Writes <run>/03_vocab/; rerun after a crash to continue where it stopped.
 """

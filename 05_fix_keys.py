@@ -1,6 +1,6 @@
 """Export the trained drafter to the exact layouts vLLM, SGLang and speculators load.
 
-    python 05_fix_keys.py configs/smollm2-135m-cpu.yaml [section.key=value ...] [--restart]
+    python 05_fix_keys.py configs/smollm2-135m-cpu.yaml [section.key=value ...] [--restart | --repair]
 
 Writes <run>/05_export/; rerun after a crash to continue where it stopped.
 """

@@ -1,6 +1,6 @@
 """Serve verifier + drafter and benchmark speculative decoding against a baseline.
 
-    python 06_deploy_and_bench.py configs/smollm2-135m-cpu.yaml [section.key=value ...] [--restart]
+    python 06_deploy_and_bench.py configs/smollm2-135m-cpu.yaml [section.key=value ...] [--restart | --repair]
 
 Writes <run>/06_bench/; rerun after a crash to continue where it stopped.
 """

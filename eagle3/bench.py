@@ -27,8 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from eagle3.engines import Server, http_get, http_post_json, vllm_server
-from eagle3.runs import Stage, StageError, atomic_write_json, atomic_write_text, clean_stale_tmp
+from eagle3.config import ServerConfig
+from eagle3.engines import Server, http_get, http_post_json, start_server
+from eagle3.runs import (Stage, StageError, atomic_write_json, atomic_write_text, clean_stale_tmp,
+                         file_records)
 
 log = logging.getLogger("eagle3")
 
@@ -140,26 +142,27 @@ def acceptance_stats(before: SpecCounters, after: SpecCounters) -> dict[str, Any
 # Requests
 
 
-def chat_once(server: Server, prompt: str, max_tokens: int, timeout: float) -> dict[str, Any]:
+def chat_once(server: Server, prompt: str, max_tokens: int,
+              settings: ServerConfig) -> dict[str, Any]:
     """One greedy chat completion: {"text", "completion_tokens", "latency_s"}."""
     payload = {"model": server.model, "messages": [{"role": "user", "content": prompt}],
                "temperature": 0.0, "max_tokens": max_tokens}
     start = time.time()
-    reply = http_post_json(server.url("/v1/chat/completions"), payload, timeout)
+    reply = http_post_json(server.url("/v1/chat/completions"), payload, settings)
     return {"text": reply["choices"][0]["message"]["content"] or "",
             "completion_tokens": int(reply["usage"]["completion_tokens"]),
             "latency_s": time.time() - start}
 
 
 def run_prompts(server: Server, prompts: list[dict[str, Any]], max_tokens: int,
-                concurrency: int, timeout: float) -> tuple[list[dict[str, Any]], float]:
+                concurrency: int, settings: ServerConfig) -> tuple[list[dict[str, Any]], float]:
     """All prompts with `concurrency` requests in flight; returns (per-prompt rows, wall s).
     Any failed request raises StageError after all have finished."""
     def one(p: dict[str, Any]) -> dict[str, Any]:
         try:
             return {"question_id": p["question_id"], **chat_once(server, p["prompt"],
-                                                                 max_tokens, timeout)}
-        except (RuntimeError, OSError, KeyError, ValueError) as e:
+                                                                 max_tokens, settings)}
+        except (StageError, KeyError, ValueError, TypeError) as e:
             return {"question_id": p["question_id"], "error": f"{type(e).__name__}: {e}"}
 
     start = time.time()
@@ -178,14 +181,20 @@ def run_prompts(server: Server, prompts: list[dict[str, Any]], max_tokens: int,
 # One configuration
 
 
+def vllm_speculative_args(draft_dir: Path, k: int) -> list[str]:
+    """vLLM's EAGLE-3 flags: the drafter at depth `k` (chain drafting)."""
+    spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": int(k)}
+    return ["--speculative-config", json.dumps(spec)]
+
+
 def bench_settings(stage: Stage, prompts: list[dict[str, Any]]) -> dict[str, Any]:
     """Everything a saved per-config result depends on; a mismatch redoes that config."""
     b = stage.cfg.bench
     digest = hashlib.sha256(json.dumps(prompts, sort_keys=True).encode()).hexdigest()[:16]
-    return {"max_tokens": b.max_tokens, "concurrency": b.concurrency,
-            "max_model_len": b.max_model_len, "extra_args": list(b.extra_args),
-            "env": dict(b.env), "python": b.python, "prompts_sha256": digest,
-            "export_manifest_sha256": stage.upstream_hash(5)}
+    server = {k: v for k, v in stage.cfg.to_dict()["bench"]["server"].items()
+              if not k.endswith("timeout_s")}
+    return {"max_tokens": b.max_tokens, "concurrency": b.concurrency, "server": server,
+            "prompts_sha256": digest, "export_manifest_sha256": stage.upstream_hash(5)}
 
 
 def run_config(stage: Stage, name: str, k: Optional[int], draft_dir: Optional[Path],
@@ -194,12 +203,12 @@ def run_config(stage: Stage, name: str, k: Optional[int], draft_dir: Optional[Pa
     cfg = stage.cfg
     b = cfg.bench
     log_path = stage.dir / "logs" / f"{name}.log"
-    with vllm_server(b, cfg.verifier_path, log_path, draft_dir=draft_dir,
-                     num_speculative_tokens=k) as server:
-        before = spec_counters(http_get(server.url("/metrics")))
-        rows, wall = run_prompts(server, prompts, b.max_tokens, b.concurrency,
-                                 b.request_timeout_s)
-        after = spec_counters(http_get(server.url("/metrics")))
+    args = vllm_speculative_args(draft_dir, k) if draft_dir is not None else []
+    with start_server("vllm", cfg, b.server, "bench.server", log_path,
+                      max_model_len=b.server.max_model_len or 2048, args=args) as server:
+        before = spec_counters(http_get(server.url("/metrics"), b.server))
+        rows, wall = run_prompts(server, prompts, b.max_tokens, b.concurrency, b.server)
+        after = spec_counters(http_get(server.url("/metrics"), b.server))
         startup_s = server.startup_s
     stats = acceptance_stats(before, after)
     if k is not None and stats["num_drafts"] <= 0:
@@ -318,5 +327,5 @@ def run_bench(stage: Stage) -> None:
                  "table": str(stage.dir / "results.md")},
         counts={r["name"]: {"mean_acceptance_length": r["mean_acceptance_length"],
                             "output_tok_s": r["output_tok_s"]} for r in results},
-        started=started,
+        files=file_records(stage.dir, [stage.dir / "results.json"]), started=started,
     )

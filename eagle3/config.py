@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -38,6 +40,10 @@ class RunConfig:
     """Run name; outputs go to `<dir>/<name>/`."""
     dir: str = "runs"
     """Parent directory of all runs (relative paths are relative to the working directory)."""
+    verify: Literal["sha256", "size"] = "sha256"
+    """How a finished stage's files are checked each time they are used (by the next stage, or
+    by a rerun of the stage): `sha256` rehashes every file against its manifest (reads every
+    byte, about a minute per 100 GB on a few cores), `size` checks sizes only."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,10 @@ class VerifierConfig:
     """Dtype the verifier runs in for generation and hidden-state capture."""
     chat_template: Optional[str] = None
     """Path to a Jinja chat template replacing the tokenizer's own; null keeps the tokenizer's."""
+    stop_token_ids: Optional[list[int]] = None
+    """Token ids that end an assistant turn (generation stops, loss masks end, the draft
+    vocabulary always has them); null = the tokenizer's EOS, generation_config.json's EOS ids
+    and the known end-of-turn tokens of common templates its vocabulary has."""
     aux_layer_ids: Optional[list[int]] = None
     """Aux hidden states as HF `output_hidden_states` indices (0 = embeddings, j = output of
     decoder layer j-1). null derives vLLM's default (2, N//2, N-3)."""
@@ -110,9 +120,11 @@ class DataConfig:
     """Drop rows whose system and user turns repeat an earlier row's (content hash)."""
     max_user_turns: Optional[int] = None
     """Keep at most this many user turns per conversation (null keeps all)."""
-    holdout_fraction: float = 0.0
-    """Fraction of the selected prompts held out (not regenerated, not trained on); their ids
-    go to the manifest and the prompts to `01_data/heldout.jsonl`."""
+    bad_records: Literal["fail", "skip"] = "fail"
+    """A source record that cannot be read (a JSON syntax error, a truncated file): `fail`
+    stops naming the file, the record and the reason; `skip` counts and reports it. (The
+    packaged ShareGPT V3 file is known to end mid-record; that one cut record is always
+    skipped and counted.)"""
     max_seq_len: int = 2048
     """Longest tokenized conversation; what happens beyond it is set by `truncation`."""
     truncation: Literal["truncate", "drop"] = "truncate"
@@ -141,13 +153,50 @@ class DataConfig:
             _positive("data.max_user_turns", self.max_user_turns)
         if not 0 <= self.min_latin_fraction <= 1:
             raise ConfigError("data.min_latin_fraction must be in [0, 1]")
-        if not 0 <= self.holdout_fraction < 1:
-            raise ConfigError("data.holdout_fraction must be in [0, 1)")
 
     @property
     def source_configs(self) -> list[SourceConfig]:
         """`sources` with plain strings expanded to SourceConfig(path=...)."""
         return [s if isinstance(s, SourceConfig) else SourceConfig(path=s) for s in self.sources]
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How one stage starts and talks to an engine server (vLLM or SGLang). Each stage that
+    uses an engine has its own (`generate.server`, `hidden_states.server`, `bench.server`):
+    the engines pin their own torch, so production keeps each in its own environment."""
+    python: Optional[str] = None
+    """Python executable of the engine's environment; null = this interpreter."""
+    command: Optional[list[str]] = None
+    """Full server command replacing the default `python -m ...`; the placeholders {model},
+    {host}, {port}, {max_model_len} are filled in (e.g. [vllm, serve, "{model}", --port,
+    "{port}", -tp, "8"])."""
+    extra_args: list[str] = field(default_factory=list)
+    """Extra server arguments appended to the command (e.g. [-tp, "8"])."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables of the server process."""
+    max_model_len: Optional[int] = None
+    """Context length of the started server; null = what the stage needs."""
+    startup_timeout_s: float = 1800.0
+    """Give up when a started server is not healthy after this many seconds (a 1T-parameter
+    verifier takes 20+ minutes to load on 8 GPUs: give it an hour)."""
+    connect_timeout_s: float = 10.0
+    """Timeout of opening one connection to the server."""
+    probe_timeout_s: float = 60.0
+    """Timeout of the first call to a server (its model list or health): a server that accepts
+    connections but never answers is reported after this, not after the request timeout."""
+    request_timeout_s: float = 600.0
+    """Timeout of one request once the server has answered a first call."""
+
+    def __post_init__(self) -> None:
+        for name in ("startup_timeout_s", "connect_timeout_s", "probe_timeout_s",
+                     "request_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"server.{name} must be > 0")
+        if self.command is not None and not self.command:
+            raise ConfigError("server.command: give the command as a list, or null")
+        if self.max_model_len is not None:
+            _positive("server.max_model_len", self.max_model_len)
 
 
 @dataclass(frozen=True)
@@ -169,29 +218,16 @@ class GenerateConfig:
     """hf: token budget of one batch, rows x (longest prompt + max_new_tokens)."""
     chunk_size: int = 32
     """hf: conversations per resumable unit, regenerated together and appended together."""
+    server: ServerConfig = field(default_factory=ServerConfig)
+    """vllm/sglang: how the stage starts its server and talks to servers (timeouts). The
+    server's context length defaults to data.max_seq_len + max_new_tokens."""
     server_urls: list[str] = field(default_factory=list)
     """vllm/sglang: running servers to use (e.g. [http://10.0.0.1:8000, ...]); several split the
     work (data parallelism). Empty: the stage starts one server itself and stops it after."""
-    python: Optional[str] = None
-    """vllm/sglang: Python executable of the engine's environment; null = this interpreter."""
-    command: Optional[list[str]] = None
-    """vllm/sglang: full server command replacing the default `python -m ...`; the placeholders
-    {model}, {host}, {port}, {max_model_len} are filled in (e.g. [vllm, serve, "{model}",
-    --port, "{port}", -tp, "8"])."""
-    extra_args: list[str] = field(default_factory=list)
-    """Extra server arguments appended to the default command."""
-    env: dict[str, str] = field(default_factory=dict)
-    """Extra environment variables of the server process."""
-    max_model_len: Optional[int] = None
-    """Context length of the started server; null = data.max_seq_len."""
-    startup_timeout_s: float = 1800.0
-    """Give up waiting for the started server's health after this many seconds."""
     model_name: Optional[str] = None
     """Model name sent in requests; null asks the server (GET /v1/models)."""
     concurrency: int = 64
     """Requests in flight per server."""
-    request_timeout_s: float = 600.0
-    """Timeout of one request."""
     max_retries: int = 5
     """Retries of a request after a transient failure (connection, timeout, HTTP 429/5xx)."""
     retry_backoff_s: float = 1.0
@@ -209,12 +245,9 @@ class GenerateConfig:
             raise ConfigError("generate.top_p must be in (0, 1]")
         if self.max_retries < 0:
             raise ConfigError("generate.max_retries must be >= 0")
-        if self.request_timeout_s <= 0 or self.startup_timeout_s <= 0:
-            raise ConfigError("generate.request_timeout_s and startup_timeout_s must be > 0")
-        if self.engine == "hf" and (self.server_urls or self.command):
-            raise ConfigError("generate.server_urls/command need engine vllm or sglang, not hf")
-        if self.command is not None and not self.command:
-            raise ConfigError("generate.command: give the command as a list, or null")
+        if self.engine == "hf" and (self.server_urls or self.server.command):
+            raise ConfigError("generate.server_urls/server.command need engine vllm or sglang, "
+                              "not hf")
 
 
 @dataclass(frozen=True)
@@ -234,20 +267,18 @@ class HiddenStatesConfig:
     """`single`: the verifier on this rank's one device. `auto`: its decoder layers split
     evenly over this rank's share of the visible GPUs (all of them without torchrun), for a
     verifier larger than one device."""
-    vllm_url: Optional[str] = None
+    server: ServerConfig = field(default_factory=ServerConfig)
+    """`vllm` backend: how the extraction server is started (e.g. extra_args [--tensor-parallel-
+    size, "8", --trust-remote-code]) and its timeouts."""
+    server_url: Optional[str] = None
     """`vllm` backend: URL of an already running extraction server; null starts one."""
-    vllm_args: list[str] = field(default_factory=list)
-    """`vllm` backend: extra server arguments, e.g. [--tensor-parallel-size, "8",
-    --trust-remote-code]; the engine's python and env come from the `bench` section."""
-    vllm_concurrency: int = 32
+    concurrency: int = 32
     """`vllm` backend: requests in flight."""
-    vllm_timeout_s: float = 600.0
-    """`vllm` backend: per-request timeout."""
 
     def __post_init__(self) -> None:
         _positive("hidden_states.shard_samples", self.shard_samples)
         _positive("hidden_states.batch_tokens", self.batch_tokens)
-        _positive("hidden_states.vllm_concurrency", self.vllm_concurrency)
+        _positive("hidden_states.concurrency", self.concurrency)
 
 
 @dataclass(frozen=True)
@@ -278,9 +309,24 @@ class DraftConfig:
     """False (SGLang-compatible): residual is the raw incoming hidden state."""
     intermediate_size: Optional[int] = None
     """MLP width; null takes the verifier's."""
+    num_attention_heads: Optional[int] = None
+    """Attention heads; null takes the verifier's."""
+    num_key_value_heads: Optional[int] = None
+    """Key/value heads; null takes the verifier's (or num_attention_heads when that is set)."""
+    head_dim: Optional[int] = None
+    """Width of one head; null takes the verifier's `head_dim`, else hidden / heads (Kimi's MLA
+    config has none, which gives 112: FlashInfer serves only 64/128/256/512)."""
 
     def __post_init__(self) -> None:
         _positive("draft.num_layers", self.num_layers)
+        for name in ("intermediate_size", "num_attention_heads", "num_key_value_heads",
+                     "head_dim"):
+            if getattr(self, name) is not None:
+                _positive(f"draft.{name}", getattr(self, name))
+        if self.num_attention_heads and self.num_key_value_heads and \
+                self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(f"draft.num_attention_heads={self.num_attention_heads} must be a "
+                              f"multiple of draft.num_key_value_heads={self.num_key_value_heads}")
 
 
 @dataclass(frozen=True)
@@ -297,6 +343,8 @@ class TrainConfig:
     """Cosine decays to lr * min_lr_ratio."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW (beta1, beta2)."""
     grad_clip: float = 0.5
     """Global gradient-norm clip (0 disables)."""
     ttt_steps: int = 7
@@ -349,6 +397,9 @@ class TrainConfig:
             raise ConfigError("train.warmup_ratio must be in [0, 1)")
         if not 0 <= self.val_fraction < 1:
             raise ConfigError("train.val_fraction must be in [0, 1)")
+        if len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):
+            raise ConfigError(f"train.adam_betas must be two numbers in [0, 1), got "
+                              f"{self.adam_betas}")
         if self.keep < 2:
             raise ConfigError("train.keep must be >= 2: the newest checkpoint may be mid-save "
                               "when a crash happens")
@@ -359,22 +410,35 @@ class ExportConfig:
     formats: list[Literal["vllm", "sglang", "speculators"]] = field(
         default_factory=lambda: ["vllm", "sglang", "speculators"])
     """Layouts to write under 05_export/."""
-    checkpoint: Literal["best", "latest"] = "best"
-    """Which training checkpoint to export."""
-    sglang_aux_offset: Literal["post-25454", "pre-25454"] = "post-25454"
-    """SGLang version convention for aux ids: `post-25454` (May 2026+) uses ids as-is (when the
-    first id != 1); `pre-25454` adds +1 to every id, so ids are written minus one."""
+    checkpoint: str = "best"
+    """Which training checkpoint to export: `best`, `latest` or `step-N`."""
+    sglang_aux_ids: Literal["auto", "post-25454", "pre-25454"] = "auto"
+    """SGLang's aux-id convention (docs/engines.md): `auto` writes ids that capture the trained
+    layers on every SGLang version when such ids exist (internal first id 2, e.g. Kimi's
+    [2,30,58] is written [1,29,57]), else the post-#25454 rule; `post-25454` / `pre-25454`
+    force one version's rule. eagle3_export.json records the versions the ids are valid for."""
+    speculative_tokens: int = 3
+    """Default depth written into the speculators config (what `vllm serve DIR` uses without
+    --speculative-config)."""
     dtype: Optional[Literal["bfloat16", "float16", "float32"]] = "bfloat16"
     """Dtype of the exported weights (d2t/t2d keep int64/bool). Engines serve in bf16 and warn
     on every float32 tensor they cast at load; null keeps the checkpoint's dtype."""
+
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"best|latest|step-\d+", self.checkpoint):
+            raise ConfigError(f"export.checkpoint must be best, latest or step-N, got "
+                              f"{self.checkpoint!r}")
+        _positive("export.speculative_tokens", self.speculative_tokens)
 
 
 @dataclass(frozen=True)
 class BenchConfig:
     engine: Literal["vllm"] = "vllm"
     """Serving engine."""
-    python: Optional[str] = None
-    """Python executable of the engine's environment; null = this interpreter."""
+    server: ServerConfig = field(default_factory=ServerConfig)
+    """How the engine is started (extra args, env, python) and its timeouts; its context length
+    defaults to 2048."""
     num_speculative_tokens: list[int] = field(default_factory=lambda: [3])
     """Speculation depths to benchmark (one server start each)."""
     num_prompts: int = 80
@@ -385,16 +449,6 @@ class BenchConfig:
     """Requests in flight."""
     baseline: bool = True
     """Also run the verifier without speculation."""
-    max_model_len: int = 2048
-    """Engine context length."""
-    startup_timeout_s: float = 600.0
-    """Give up waiting for server health after this many seconds."""
-    request_timeout_s: float = 600.0
-    """Per-request timeout."""
-    extra_args: list[str] = field(default_factory=list)
-    """Extra engine command-line arguments (e.g. [--enforce-eager, --dtype, bfloat16])."""
-    env: dict[str, str] = field(default_factory=dict)
-    """Extra environment variables for the engine process."""
 
     def __post_init__(self) -> None:
         _positive("bench.num_prompts", self.num_prompts)
@@ -437,15 +491,39 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
     return [2, num_layers // 2, num_layers - 3]
 
 
-def read_verifier_info(verifier: VerifierConfig) -> VerifierInfo:
-    path = Path(expand_path(verifier.path))
+def read_verifier_config(path: Path) -> dict[str, Any]:
+    """The verifier's config.json as a dict; a missing or unreadable file is a ConfigError."""
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise ConfigError(f"verifier.path: no config.json in {path}; prepare the verifier "
                           f"(e.g. `make verifier`) or fix the path")
-    raw = json.loads(cfg_file.read_text())
-    arch = (raw.get("architectures") or ["?"])[0]
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"verifier.path: {cfg_file} is not valid JSON ({e}); restore the "
+                          f"verifier's config.json") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"verifier.path: {cfg_file} is not a JSON object")
+    return raw
+
+
+def text_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """The text model's config: `text_config` of a multimodal wrapper (Kimi-K2.5), else the
+    config itself."""
     text = raw.get("text_config") or raw.get("language_config") or raw
+    return text if isinstance(text, dict) else raw
+
+
+def read_verifier_info(verifier: VerifierConfig) -> VerifierInfo:
+    path = Path(expand_path(verifier.path))
+    raw = read_verifier_config(path)
+    arch = (raw.get("architectures") or ["?"])[0]
+    text = text_config(raw)
+    missing = [k for k in ("num_hidden_layers", "hidden_size", "vocab_size",
+                           "num_attention_heads", "intermediate_size") if k not in text]
+    if missing:
+        raise ConfigError(f"verifier.path: {path}/config.json lacks {', '.join(missing)} (in "
+                          f"its text model config); not a causal LM config")
     n = text["num_hidden_layers"]
     ids = verifier.aux_layer_ids or default_aux_layer_ids(n)
     if verifier.aux_layer_ids is None and len(set(ids)) != len(ids):
@@ -502,10 +580,19 @@ class Config:
     def verifier_path(self) -> Path:
         return Path(expand_path(self.verifier.path))
 
-    @property
+    @functools.cached_property
     def verifier_info(self) -> VerifierInfo:
-        # Not cached on the frozen instance: config.json is tiny and read rarely.
+        """Facts derived from the verifier's config.json, read once (on first use: a config can
+        be loaded and checked on a machine without the verifier)."""
         return read_verifier_info(self.verifier)
+
+    @property
+    def copies_base_vocab(self) -> bool:
+        """Whether stage 03 copies the base drafter's map (`vocab.from_checkpoint`, null = when
+        fine-tuning without `vocab.allow_remap`)."""
+        if self.vocab.from_checkpoint is None:
+            return bool(self.train.finetune_from) and not self.vocab.allow_remap
+        return self.vocab.from_checkpoint
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -551,19 +638,22 @@ def config_from_dict(raw: dict[str, Any], source: str = "") -> Config:
 
 
 def _apply_override(raw: dict[str, Any], override: str) -> None:
+    """`section.key=value` or `section.sub.key=value` (e.g. generate.server.extra_args=[...])."""
     if "=" not in override or "." not in override.split("=", 1)[0]:
         raise ConfigError(f"override `{override}`: write it as section.key=value")
     key, value = override.split("=", 1)
-    section, name = key.split(".", 1)
-    _reject_unknown({section: None}, list(SECTIONS), "section")
+    path = key.split(".")
+    _reject_unknown({path[0]: None}, list(SECTIONS), "section")
     try:
         parsed = yaml.safe_load(value) if value != "" else None
     except yaml.YAMLError:
         parsed = value
-    sect = raw.setdefault(section, {})
-    if sect is None:
-        sect = raw[section] = {}
-    sect[name] = parsed
+    node = raw
+    for part in path[:-1]:
+        if not isinstance(node.get(part), dict):
+            node[part] = {}
+        node = node[part]
+    node[path[-1]] = parsed
 
 
 def _reject_unknown(given: dict[str, Any], valid: list[str], what: str, prefix: str = "") -> None:
@@ -582,6 +672,14 @@ def _build_dataclass(cls: type, raw: Any, section: str) -> Any:
         raise ConfigError(f"section `{section}` must be a mapping, got {type(raw).__name__}")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
+    for key in raw:
+        # A key that lives one level down (e.g. `generate.extra_args` is now
+        # `generate.server.extra_args`) gets that exact hint.
+        homes = [n for n in names if dataclasses.is_dataclass(hints[n])
+                 and key in {f.name for f in dataclasses.fields(hints[n])}]
+        if key not in names and homes:
+            raise ConfigError(f"unknown key `{section}.{key}`; did you mean "
+                              f"`{section}.{homes[0]}.{key}`?")
     _reject_unknown(raw, names, "key", prefix=f"{section}.")
     kwargs = {k: _check_type(f"{section}.{k}", v, hints[k]) for k, v in raw.items()}
     try:

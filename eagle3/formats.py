@@ -1,21 +1,20 @@
-"""Checkpoint layouts of an EAGLE-3 drafter: key maps, engine configs, detection, validation.
+"""Checkpoint layouts of an EAGLE-3 drafter: one record per engine format (docs/engines.md).
 
-Owns every fact about what vLLM, SGLang and speculators load (REFERENCE.md sections 1-3, 6):
+Each `EngineFormat` owns everything about one format: the key layout it ships, its
+config.json, where its config keeps the aux-layer ids and in which convention (both
+directions), whether the embedding ships, and the checks of a written directory. Adding a
+format is one more record in `FORMATS`.
 
-- key maps as data: speculators/vLLM `layers.0.*` <-> SGLang/EAGLE `midlayer.*` (one dict and
-  its derived inverse), and `strip_compile_prefix` for torch.compile's `_orig_mod.`;
-- the config.json each format needs (`speculators_config`, `vllm_config`, `sglang_config`),
-  with aux ids converted from the internal convention (HF `output_hidden_states` index);
-- `write_export` (state dict + config -> directory) and `validate_export`, which reads a
-  written directory back from disk and raises `ExportValidationError` listing every problem
-  that would make an engine load wrong weights silently.
+Key layouts: `speculators` (`layers.0.*`, vLLM's internal names and ours) and `sglang`
+(`midlayer.*`, EAGLE official and SpecForge); `to_layout` maps between them (one prefix map
+and its inverse), `strip_compile_prefix` drops torch.compile's `_orig_mod.`.
 
-    from eagle3.formats import write_export, validate_export
-    write_export(out_dir, "sglang", state_dict, draft_cfg, aux_ids, verifier_path, "Llama...")
-    report = validate_export(out_dir, "sglang", draft_cfg, aux_ids)
+    write_export(out_dir, "sglang", state_dict, draft_cfg, aux_ids, ExportContext(...))
+    report = validate_export(out_dir, "sglang", draft_cfg, aux_ids, ExportContext(...))
 
-Used by stage 05 (`eagle3/export.py`) and by the training checkpoint writer (config.json of
-`step-N/` is `speculators_config(...)`).
+Aux ids are always given in the internal convention (HF `output_hidden_states` index) and each
+format converts them. Used by stage 05, by the checkpoint writer (the speculators config of
+`step-N/`) and by the base-drafter reader.
 """
 
 from __future__ import annotations
@@ -23,43 +22,28 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Mapping, Optional
+from typing import Any, Callable, Literal, Mapping, Optional
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eagle3.model import DraftModelConfig, Eagle3DraftModel
 
-Format = Literal["vllm", "sglang", "speculators"]
 Layout = Literal["speculators", "sglang"]
-SglangConvention = Literal["post-25454", "pre-25454"]
+SglangRule = Literal["auto", "post-25454", "pre-25454"]
+SGLANG_VERSIONS = ("pre-25454", "post-25454")
+"""SGLang before PR #25454 (adds +1 to every aux id) and after it (+1 only when the first id
+is 1; v0.5.23 and later)."""
 
-FORMATS: tuple[str, ...] = ("vllm", "sglang", "speculators")
-ENGINE_ARCH = "LlamaForCausalLMEagle3"
-SPECULATORS_ARCH = "Eagle3DraftModel"
-SPECULATORS_VERSION = "0.9.0"
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
-
-# Key prefixes, speculators/vLLM-internal -> SGLang/EAGLE-official. SGLang builds only
-# `model.midlayer` for layer 0; its extra layers (`additional_layers.{i-1}`) drop the residual
-# coming out of the midlayer and use `hidden_norm` as their input norm, so a multi-layer drafter
-# trained as plain Llama layers cannot be expressed there (see `sglang_key_map`).
-SPECULATORS_TO_SGLANG: dict[str, str] = {"layers.0.": "midlayer."}
-SGLANG_TO_SPECULATORS: dict[str, str] = {v: k for k, v in SPECULATORS_TO_SGLANG.items()}
-
-# Which key layout each format ships. vLLM loads both (it maps midlayer. -> layers.0.), we
-# ship its own internal names; speculators only knows `layers.N.`.
-FORMAT_LAYOUT: dict[str, Layout] = {"vllm": "speculators", "sglang": "sglang",
-                                    "speculators": "speculators"}
-# Layouts the validator accepts per format (a hand-made vLLM dir with midlayer keys is fine).
-ACCEPTED_LAYOUTS: dict[str, tuple[Layout, ...]] = {"vllm": ("speculators", "sglang"),
-                                                   "sglang": ("sglang",),
-                                                   "speculators": ("speculators",)}
-
 COMPILE_PREFIX = "_orig_mod."
+SPECULATORS_VERSION = "0.9.0"
+LAYER0_PREFIX: dict[Layout, str] = {"speculators": "layers.0.", "sglang": "midlayer."}
 _LAYER_KEY = re.compile(r"^layers\.(\d+)\.")
 
 
@@ -80,42 +64,12 @@ class ExportValidationError(ValueError):
 
 
 # ---------------------------------------------------------------------------------------------
-# Key maps
+# Key layouts
 
 
-def strip_compile_prefix(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def strip_compile_prefix(state: Mapping[str, Any]) -> dict[str, Any]:
     """Drop the `_orig_mod.` prefix torch.compile puts on every parameter of a compiled model."""
-    return {k.replace(COMPILE_PREFIX, "", 1) if k.startswith(COMPILE_PREFIX) else k: v
-            for k, v in state.items()}
-
-
-def _rename(state: Mapping[str, torch.Tensor], prefix_map: Mapping[str, str]
-            ) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for key, value in state.items():
-        for old, new in prefix_map.items():
-            if key.startswith(old):
-                key = new + key[len(old):]
-                break
-        out[key] = value
-    return out
-
-
-def to_sglang_keys(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """speculators layout (`layers.0.*`) -> SGLang layout (`midlayer.*`); 1-layer drafters only."""
-    deeper = sorted({m.group(0) for k in state if (m := _LAYER_KEY.match(k))
-                     and m.group(1) != "0"})
-    if deeper:
-        raise FormatError(
-            f"SGLang serves one draft layer only (its additional_layers drop the midlayer "
-            f"residual and have no input_layernorm), but the drafter has {deeper}: train with "
-            f"draft.num_layers=1 or drop `sglang` from export.formats")
-    return _rename(state, SPECULATORS_TO_SGLANG)
-
-
-def to_speculators_keys(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """SGLang/EAGLE layout (`midlayer.*`) -> speculators layout (`layers.0.*`)."""
-    return _rename(state, SGLANG_TO_SPECULATORS)
+    return {k.removeprefix(COMPILE_PREFIX): v for k, v in state.items()}
 
 
 def detect_layout(keys: Any) -> Layout:
@@ -134,8 +88,28 @@ def detect_layout(keys: Any) -> Layout:
                       "layer, not an EAGLE-3 drafter checkpoint")
 
 
+def rename_key(key: str, src: Layout, dst: Layout) -> str:
+    """One key from layout `src` to layout `dst` (only layer 0 is named differently)."""
+    old, new = LAYER0_PREFIX[src], LAYER0_PREFIX[dst]
+    return new + key[len(old):] if key.startswith(old) else key
+
+
+def to_layout(state: Mapping[str, Any], dst: Layout) -> dict[str, Any]:
+    """A state dict in either layout -> layout `dst`. SGLang names only one layer (`midlayer`):
+    a deeper drafter cannot be written there."""
+    src = detect_layout(k for k in state if k not in ("d2t", "t2d"))
+    deeper = sorted({m.group(0) for k in state if (m := _LAYER_KEY.match(k))
+                     and m.group(1) != "0"})
+    if dst == "sglang" and deeper:
+        raise FormatError(
+            f"SGLang serves one draft layer only (its extra layers drop the midlayer residual "
+            f"and have no input_layernorm), but the drafter has {deeper}: train with "
+            f"draft.num_layers=1 or drop `sglang` from export.formats")
+    return {rename_key(k, src, dst): v for k, v in state.items()}
+
+
 def expected_tensors(draft: DraftModelConfig, layout: Layout = "speculators"
-                     ) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+                     ) -> dict[str, tuple[tuple[int, ...], Optional[torch.dtype]]]:
     """Key -> (shape, required dtype or None for any float) of a shipped drafter.
 
     Built from `Eagle3DraftModel` itself (on the meta device, no memory), so it can never drift
@@ -143,48 +117,104 @@ def expected_tensors(draft: DraftModelConfig, layout: Layout = "speculators"
     """
     with torch.device("meta"):
         model = Eagle3DraftModel(draft)
-    out: dict[str, tuple[tuple[int, ...], torch.dtype | None]] = {}
+    out = {}
     for key, tensor in model.trainable_state_dict().items():
         dtype = tensor.dtype if key in ("d2t", "t2d") else None
-        out[key] = (tuple(tensor.shape), dtype)
-    if layout == "sglang":
-        if draft.num_layers != 1:
-            raise FormatError(f"SGLang serves one draft layer only, config has "
-                              f"num_layers={draft.num_layers}")
-        out = _rename(out, SPECULATORS_TO_SGLANG)  # type: ignore[arg-type]
+        out[rename_key(key, "speculators", layout)] = (tuple(tensor.shape), dtype)
     return out
 
 
+def tensor_problems(expected: Mapping[str, tuple[tuple[int, ...], Optional[torch.dtype]]],
+                    present: Mapping[str, Any], spell: Callable[[str], str] = str,
+                    ignore_unexpected: Callable[[str], bool] = lambda k: False) -> list[str]:
+    """Missing, unexpected, mis-shaped and mis-typed tensors, one line each. `present` maps
+    names to tensors or to (shape, dtype) pairs; `spell` renders a key as the file spells it."""
+    def shape_dtype(v: Any) -> tuple[tuple[int, ...], torch.dtype]:
+        return (tuple(v.shape), v.dtype) if hasattr(v, "shape") else (tuple(v[0]), v[1])
+
+    problems = [f"missing tensor `{spell(k)}` (expected shape {list(expected[k][0])})"
+                for k in sorted(set(expected) - set(present))]
+    problems += [f"unexpected tensor `{spell(k)}` {list(shape_dtype(present[k])[0])} (the "
+                 f"drafter has no such weight)" for k in sorted(set(present) - set(expected))
+                 if not ignore_unexpected(k)]
+    for k in sorted(set(present) & set(expected)):
+        (shape, dtype), (want_shape, want_dtype) = shape_dtype(present[k]), expected[k]
+        if shape != want_shape:
+            problems.append(f"`{spell(k)}` has shape {list(shape)}, expected {list(want_shape)}")
+        elif want_dtype is not None and dtype != want_dtype:
+            problems.append(f"`{spell(k)}` has dtype {dtype}, expected {want_dtype}")
+        elif want_dtype is None and not dtype.is_floating_point:
+            problems.append(f"`{spell(k)}` has dtype {dtype}, expected a float dtype")
+    return problems
+
+
+def vocab_map_problems(d2t: torch.Tensor, t2d: torch.Tensor, draft_vocab: int,
+                       vocab: int) -> list[str]:
+    """`d2t` must be offsets (target = i + d2t[i]) onto exactly the ids `t2d` marks; [] when
+    the pair is valid. Wrong dtypes or ranks are reported by `tensor_problems`."""
+    if d2t.dtype != torch.int64 or t2d.dtype != torch.bool or d2t.dim() != 1 or t2d.dim() != 1:
+        return []
+    problems: list[str] = []
+    targets = torch.arange(d2t.numel()) + d2t
+    in_range = bool(((targets >= 0) & (targets < vocab)).all())
+    increasing = bool((targets[1:] > targets[:-1]).all()) if targets.numel() > 1 else True
+    marked = in_range and t2d.numel() == vocab and bool(t2d[targets.clamp(0, vocab - 1)].all())
+    if not (in_range and increasing and marked):
+        hint = ""
+        if (d2t.numel() and bool(((d2t >= 0) & (d2t < vocab)).all()) and t2d.numel() == vocab
+                and bool(t2d[d2t].all())):
+            hint = ("; d2t holds absolute target ids: store offsets d2t[i] = target_id - i "
+                    "(vLLM and SGLang compute target = i + d2t[i])")
+        what = ([f"i + d2t[i] leaves [0, {vocab})"] if not in_range else
+                ["targets i + d2t[i] are not strictly increasing"] if not increasing else
+                ["some targets i + d2t[i] are not marked in t2d"])
+        problems.append(f"d2t: not valid offsets ({'; '.join(what)}){hint}")
+    count = int(t2d.sum())
+    if count != draft_vocab:
+        problems.append(f"t2d: marks {count} target ids, draft vocabulary has {draft_vocab}")
+    return problems
+
+
 # ---------------------------------------------------------------------------------------------
-# Aux-layer ids per engine
+# SGLang's aux-id conventions (docs/engines.md, "Aux-layer ids")
 
 
-def sglang_aux_ids(aux_layer_ids: list[int], convention: SglangConvention) -> list[int]:
-    """Internal ids (HF `output_hidden_states` index) -> what SGLang's config must say.
+def sglang_captured(written: list[int], version: str) -> list[int]:
+    """HF `output_hidden_states` indices that SGLang `version` captures for config ids."""
+    if version == "pre-25454" or (written and written[0] == 1):
+        return [i + 1 for i in written]
+    return list(written)
 
-    post-25454 SGLang captures `hidden_states[id]` unless the first id is 1, in which case it
-    adds +1 to all ids (the old SpecForge convention); pre-25454 SGLang always adds +1.
-    """
-    ids = list(aux_layer_ids)
-    if convention == "post-25454":
-        if ids and ids[0] == 1:
-            raise FormatError(
-                f"aux ids {ids} start with 1: post-25454 SGLang adds +1 to every id when the "
-                f"first is 1 and would capture {[i + 1 for i in ids]}; no config expresses "
-                f"these ids there. Capture from layer >= 2, or set "
-                f"export.sglang_aux_offset=pre-25454 for an older SGLang")
-        return ids
-    if convention == "pre-25454":
-        if min(ids) < 1:
-            raise FormatError(f"aux ids {ids} include 0 (the embeddings): pre-25454 SGLang "
-                              f"adds +1 to every id and cannot capture it")
-        return [i - 1 for i in ids]
-    raise FormatError(f"unknown SGLang aux convention {convention!r}: use post-25454 or "
-                      f"pre-25454")
+
+def sglang_written(internal: list[int], rule: SglangRule) -> tuple[list[int], list[str]]:
+    """(ids to write, SGLang versions on which they capture `internal`) under `rule`.
+
+    `auto` takes ids valid on every version when they exist: internal first id 2 is written
+    minus one (e.g. [2,30,58] as [1,29,57]: old SGLang always adds +1, new SGLang adds +1
+    because the first id is 1); otherwise the post-#25454 rule. A version rule writes that
+    version's ids."""
+    candidates = {"post-25454": list(internal), "pre-25454": [i - 1 for i in internal]}
+
+    def valid(written: list[int]) -> list[str]:
+        return [v for v in SGLANG_VERSIONS
+                if min(written) >= 0 and sglang_captured(written, v) == list(internal)]
+
+    if rule == "auto":
+        robust = candidates["pre-25454"]
+        if valid(robust) == list(SGLANG_VERSIONS):
+            return robust, list(SGLANG_VERSIONS)
+        rule = "post-25454"
+    written = candidates[rule]
+    if rule not in valid(written):
+        raise FormatError(
+            f"no {rule} SGLang config captures aux ids {list(internal)} (post-#25454 SGLang "
+            f"shifts ids that start at 1): capture from layer >= 2, or set "
+            f"export.sglang_aux_ids=pre-25454 for an older SGLang")
+    return written, valid(written)
 
 
 # ---------------------------------------------------------------------------------------------
-# Config layouts
+# Config fields shared by the formats
 
 
 def _llama_fields(draft: DraftModelConfig) -> dict[str, Any]:
@@ -224,8 +254,8 @@ def _eagle_fields(draft: DraftModelConfig) -> dict[str, Any]:
     }
 
 
-def _check_aux(draft: DraftModelConfig, aux_layer_ids: list[int]) -> list[int]:
-    ids = [int(i) for i in aux_layer_ids]
+def _check_aux(draft: DraftModelConfig, ids: list[int]) -> list[int]:
+    ids = [int(i) for i in ids]
     if len(ids) != draft.num_aux:
         raise FormatError(f"{len(ids)} aux layer ids {ids} but the drafter's fc takes "
                           f"num_aux={draft.num_aux} states")
@@ -235,222 +265,13 @@ def _check_aux(draft: DraftModelConfig, aux_layer_ids: list[int]) -> list[int]:
     return ids
 
 
-def speculators_config(draft: DraftModelConfig, aux_layer_ids: list[int], verifier_path: str,
-                       verifier_arch: str, speculative_tokens: int = 3) -> dict[str, Any]:
-    """config.json in the speculators 0.9 layout (`layers.0.*` keys; `vllm serve DIR` works).
-
-    `verifier_path` is what vLLM starts as the verifier when served as-is.
-    """
-    ids = _check_aux(draft, aux_layer_ids)
-    return {
-        "architectures": [SPECULATORS_ARCH],
-        "speculators_model_type": "eagle3",
-        "speculators_version": SPECULATORS_VERSION,
-        **_eagle_fields(draft),
-        "eagle_aux_hidden_state_layer_ids": ids,
-        "embed_requires_grad": False,
-        "tie_word_embeddings": False,
-        "transformer_layer_config": _llama_fields(draft),
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy",
-                                  "speculative_tokens": int(speculative_tokens),
-                                  "accept_tolerance": 0.0, "verifier_accept_k": 1}],
-            "verifier": {"name_or_path": str(verifier_path),
-                         "architectures": [verifier_arch]},
-        },
-    }
-
-
-def vllm_config(draft: DraftModelConfig, aux_layer_ids: list[int]) -> dict[str, Any]:
-    """config.json for vLLM's `Eagle3LlamaForCausalLM` (launched with --speculative-config).
-
-    Aux ids are vLLM's "capture before layer j" = the internal convention, written both
-    top-level (all vLLM versions) and in `eagle_config` (newer ones, and vLLM sizes `fc` from
-    its length).
-    """
-    ids = _check_aux(draft, aux_layer_ids)
-    return {
-        "architectures": [ENGINE_ARCH],
-        **_llama_fields(draft),
-        **_eagle_fields(draft),
-        "eagle_aux_hidden_state_layer_ids": ids,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
-    }
-
-
-def sglang_config(draft: DraftModelConfig, aux_layer_ids: list[int],
-                  convention: SglangConvention = "post-25454") -> dict[str, Any]:
-    """config.json for SGLang's `LlamaForCausalLMEagle3` (`midlayer.*` keys).
-
-    SGLang reads aux ids only from `eagle_config`, in its version's convention; no top-level
-    ids are written so that no other reader takes shifted ids at face value.
-    """
-    ids = _check_aux(draft, aux_layer_ids)
-    if draft.num_layers != 1:
-        raise FormatError(f"SGLang serves one draft layer only, the drafter has "
-                          f"{draft.num_layers}: train with draft.num_layers=1 or drop sglang "
-                          f"from export.formats")
-    if draft.num_aux != 3:
-        raise FormatError(f"SGLang's fc is fixed at 3 aux states, the drafter has "
-                          f"num_aux={draft.num_aux}")
-    if draft.norm_before_residual:
-        raise FormatError("SGLang has no norm_before_residual=true variant: train with "
-                          "draft.norm_before_residual=false or drop sglang from export.formats")
-    return {
-        "architectures": [ENGINE_ARCH],
-        **_llama_fields(draft),
-        **_eagle_fields(draft),
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": sglang_aux_ids(ids, convention),
-                         "use_aux_hidden_state": True},
-    }
-
-
-def engine_aux_ids(fmt: str, aux_layer_ids: list[int],
-                   sglang_convention: SglangConvention = "post-25454") -> list[int]:
-    """The aux ids as written into `fmt`'s config (internal convention in, engine's out)."""
-    if fmt == "sglang":
-        return sglang_aux_ids(list(aux_layer_ids), sglang_convention)
-    return [int(i) for i in aux_layer_ids]
-
-
-def aux_convention(fmt: str, sglang_convention: SglangConvention = "post-25454") -> str:
-    """One line naming the convention of `engine_aux_ids(fmt, ...)`, for reports."""
-    if fmt == "sglang":
-        if sglang_convention == "pre-25454":
-            return "SGLang pre-#25454: engine adds +1, written as HF hidden_states index - 1"
-        return "SGLang post-#25454: as-is = HF output_hidden_states index (first id != 1)"
-    return "capture before layer j = HF output_hidden_states index (used as-is)"
-
-
-# ---------------------------------------------------------------------------------------------
-# Writing
-
-
-def export_state_dict(state: Mapping[str, torch.Tensor], fmt: str) -> dict[str, torch.Tensor]:
-    """A training state dict (any layout, maybe compiled) -> the keys `fmt` ships."""
-    state = strip_compile_prefix(state)
-    layout = detect_layout(state)
-    canonical = to_speculators_keys(state) if layout == "sglang" else dict(state)
-    canonical = {k: v for k, v in canonical.items() if not k.startswith("embed_tokens.")}
-    if FORMAT_LAYOUT[fmt] == "sglang":
-        return to_sglang_keys(canonical)
-    return canonical
-
-
-def format_config(fmt: str, draft: DraftModelConfig, aux_layer_ids: list[int],
-                  verifier_path: str, verifier_arch: str,
-                  sglang_convention: SglangConvention = "post-25454",
-                  speculative_tokens: int = 3) -> dict[str, Any]:
-    if fmt == "vllm":
-        return vllm_config(draft, aux_layer_ids)
-    if fmt == "sglang":
-        return sglang_config(draft, aux_layer_ids, sglang_convention)
-    if fmt == "speculators":
-        return speculators_config(draft, aux_layer_ids, verifier_path, verifier_arch,
-                                  speculative_tokens)
-    raise FormatError(f"unknown export format {fmt!r}: use one of {', '.join(FORMATS)}")
-
-
-def write_export(directory: Path, fmt: str, state: Mapping[str, torch.Tensor],
-                 draft: DraftModelConfig, aux_layer_ids: list[int], verifier_path: str,
-                 verifier_arch: str, sglang_convention: SglangConvention = "post-25454",
-                 speculative_tokens: int = 3, dtype: Optional[str] = None) -> None:
-    """Write config.json + model.safetensors of `fmt` into an existing (temporary) directory.
-
-    `dtype` (e.g. "bfloat16") casts the float weights; d2t/t2d keep int64/bool.
-    """
-    config = format_config(fmt, draft, aux_layer_ids, verifier_path, verifier_arch,
-                           sglang_convention, speculative_tokens)
-    tensors = export_state_dict(state, fmt)
-    if dtype is not None:
-        target = getattr(torch, dtype)
-        tensors = {k: v.to(target) if v.is_floating_point() else v for k, v in tensors.items()}
-    dtypes = {str(v.dtype).removeprefix("torch.") for k, v in tensors.items()
-              if v.is_floating_point()}
-    if len(dtypes) == 1:
-        config["dtype"] = dtypes.pop()
-    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
-    # safetensors creates the file 0600; engines often run as another user (containers).
-    os.chmod(directory / WEIGHTS_FILE, 0o644)
-    (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-
-
-# ---------------------------------------------------------------------------------------------
-# Validation (reads back what the engine will load)
-
-
-def _draft_config_problems(fmt: str, cfg: dict[str, Any], draft: DraftModelConfig,
-                           written_ids: list[int]) -> list[str]:
-    """Config fields missing or inconsistent with the drafter the weights came from."""
-    problems: list[str] = []
-    if fmt == "speculators":
-        arch_ok = cfg.get("architectures") == [SPECULATORS_ARCH]
-        want_arch = [SPECULATORS_ARCH]
-        layer = cfg.get("transformer_layer_config")
-        if not isinstance(layer, dict):
-            problems.append("config: `transformer_layer_config` missing (vLLM refuses a "
-                            "speculators config without it)")
-            layer = {}
-        if cfg.get("speculators_model_type") != "eagle3":
-            problems.append("config: `speculators_model_type` must be \"eagle3\"")
-        spec = cfg.get("speculators_config") or {}
-        methods = spec.get("proposal_methods") or [{}]
-        if not isinstance(methods[0].get("speculative_tokens"), int):
-            problems.append("config: `speculators_config.proposal_methods[0]."
-                            "speculative_tokens` missing")
-        if not (spec.get("verifier") or {}).get("name_or_path"):
-            problems.append("config: `speculators_config.verifier.name_or_path` missing "
-                            "(vLLM serves this verifier)")
-        ids = cfg.get("eagle_aux_hidden_state_layer_ids")
-        ids_where = "eagle_aux_hidden_state_layer_ids"
-    else:
-        arch_ok = cfg.get("architectures") == [ENGINE_ARCH]
-        want_arch = [ENGINE_ARCH]
-        layer = cfg
-        eagle = cfg.get("eagle_config") or {}
-        if fmt == "vllm":
-            ids = cfg.get("eagle_aux_hidden_state_layer_ids")
-            ids_where = "eagle_aux_hidden_state_layer_ids"
-            nested = eagle.get("eagle_aux_hidden_state_layer_ids")
-            if nested is not None and nested != ids:
-                problems.append(f"config: eagle_config ids {nested} differ from top-level "
-                                f"ids {ids}")
-        else:
-            ids = eagle.get("eagle_aux_hidden_state_layer_ids")
-            ids_where = "eagle_config.eagle_aux_hidden_state_layer_ids"
-            if "eagle_aux_hidden_state_layer_ids" in cfg:
-                problems.append("config: top-level eagle_aux_hidden_state_layer_ids in an "
-                                "SGLang export (SGLang ignores it; other readers would take "
-                                "SGLang-convention ids at face value)")
-        if cfg.get("tie_word_embeddings") is not False:
-            problems.append("config: `tie_word_embeddings` must be false (true makes the "
-                            "engine use the embedding as lm_head)")
-    if not arch_ok:
-        problems.append(f"config: `architectures` is {cfg.get('architectures')!r}, must be "
-                        f"{want_arch}")
-    if not ids:
-        problems.append(f"config: aux ids `{ids_where}` absent (engines fall back to default "
-                        f"layers silently)")
-    elif list(ids) != list(written_ids):
-        problems.append(f"config: `{ids_where}` is {ids}, expected {written_ids}")
-    if "norm_before_residual" not in cfg:
-        problems.append("config: `norm_before_residual` absent (vLLM's speculators path "
-                        "defaults it to true, its Llama path to false): write it explicitly")
-    elif cfg["norm_before_residual"] is not bool(draft.norm_before_residual):
-        problems.append(f"config: norm_before_residual={cfg['norm_before_residual']} but the "
-                        f"drafter was trained with {draft.norm_before_residual}")
-    if fmt == "sglang" and cfg.get("norm_before_residual") is True:
-        problems.append("config: SGLang cannot serve norm_before_residual=true")
-    for flag in ("norm_before_fc", "fc_norm", "norm_output"):
-        if cfg.get(flag):
-            problems.append(f"config: `{flag}` is true; this drafter has no such norm")
+def _shape_problems(cfg: dict[str, Any], layer: dict[str, Any],
+                    draft: DraftModelConfig) -> list[str]:
+    """Config fields that must equal the drafter the weights came from."""
+    problems = []
     want = {"draft_vocab_size": (cfg, draft.draft_vocab_size),
             "target_hidden_size": (cfg, draft.target_hidden_size),
-            "vocab_size": (layer, draft.vocab_size),
-            "hidden_size": (layer, draft.hidden_size),
+            "vocab_size": (layer, draft.vocab_size), "hidden_size": (layer, draft.hidden_size),
             "intermediate_size": (layer, draft.intermediate_size),
             "num_hidden_layers": (layer, draft.num_layers),
             "num_attention_heads": (layer, draft.num_attention_heads),
@@ -466,85 +287,289 @@ def _draft_config_problems(fmt: str, cfg: dict[str, Any], draft: DraftModelConfi
         problems.append("config: rope theta missing (`rope_theta` / `rope_parameters`)")
     elif float(theta) != float(draft.rope_theta):
         problems.append(f"config: rope theta {theta}, expected {draft.rope_theta}")
+    if "norm_before_residual" not in cfg:
+        problems.append("config: `norm_before_residual` absent (vLLM's speculators path "
+                        "defaults it to true, its Llama path to false): write it explicitly")
+    elif cfg["norm_before_residual"] is not bool(draft.norm_before_residual):
+        problems.append(f"config: norm_before_residual={cfg['norm_before_residual']} but the "
+                        f"drafter was trained with {draft.norm_before_residual}")
+    problems += [f"config: `{flag}` is true; this drafter has no such norm"
+                 for flag in ("norm_before_fc", "fc_norm", "norm_output") if cfg.get(flag)]
     return problems
 
 
-def _vocab_map_problems(d2t: torch.Tensor, t2d: torch.Tensor, draft_vocab: int,
-                        vocab: int) -> list[str]:
-    """`d2t` must be offsets (target = i + d2t[i]) onto exactly the ids `t2d` marks."""
-    if d2t.dtype != torch.int64 or t2d.dtype != torch.bool or d2t.dim() != 1 or t2d.dim() != 1:
-        return []  # dtype/shape problems are reported by the key checks
-    problems: list[str] = []
-    targets = torch.arange(d2t.numel()) + d2t
-    in_range = bool(((targets >= 0) & (targets < vocab)).all())
-    increasing = bool((targets[1:] > targets[:-1]).all()) if targets.numel() > 1 else True
-    marked = in_range and t2d.numel() == vocab and bool(t2d[targets.clamp(0, vocab - 1)].all())
-    count = int(t2d.sum())
-    if not (in_range and increasing and marked):
-        hint = ""
-        as_abs = d2t
-        if (as_abs.numel() and bool(((as_abs >= 0) & (as_abs < vocab)).all())
-                and t2d.numel() == vocab and bool(t2d[as_abs].all())):
-            hint = ("; d2t holds absolute target ids: store offsets d2t[i] = target_id - i "
-                    "(vLLM and SGLang compute target = i + d2t[i])")
-        what = []
-        if not in_range:
-            what.append(f"i + d2t[i] leaves [0, {vocab})")
-        if in_range and not increasing:
-            what.append("targets i + d2t[i] are not strictly increasing")
-        if in_range and not marked:
-            what.append("some targets i + d2t[i] are not marked in t2d")
-        problems.append(f"d2t: not valid offsets ({'; '.join(what)}){hint}")
-    if count != draft_vocab:
-        problems.append(f"t2d: marks {count} target ids, draft vocabulary has {draft_vocab}")
-    return problems
+@dataclass(frozen=True)
+class ExportContext:
+    """What a format's config needs besides the drafter itself."""
+    verifier_path: str
+    """Absolute verifier path (or hub id): what `vllm serve DIR` starts for a speculators
+    config."""
+    verifier_arch: str
+    speculative_tokens: int = 3
+    sglang_rule: SglangRule = "auto"
 
 
-def vocab_map_problems(d2t: torch.Tensor, t2d: torch.Tensor, draft_vocab: int,
-                       vocab: int) -> list[str]:
-    """Problems of a d2t/t2d pair (offsets onto exactly the ids t2d marks); [] when valid.
+# ---------------------------------------------------------------------------------------------
+# The formats
 
-    Also used on a base drafter's map before fine-tuning from it (`eagle3.checkpoint`).
+
+@dataclass(frozen=True)
+class EngineFormat:
+    """One export format. Each subclass defines `config(draft, internal_ids, ctx)` (the
+    config.json it ships) and overrides where its aux ids live and how they convert."""
+    name: str
+    layout: Layout
+    """Key layout shipped."""
+    accepted_layouts: tuple[Layout, ...]
+    """Key layouts the engine loads (a hand-made directory in another one still validates)."""
+    architecture: str
+    ships_embedding: bool = False
+    """No format ships `embed_tokens`: SGLang always replaces it with the verifier's, and vLLM
+    shares the verifier's when the checkpoint has none, so either engine serves with exactly
+    the embedding the drafter trained with (the verifier's, frozen); a shipped copy could only
+    be a stale or foreign one (TorchSpec#38)."""
+
+    def written_aux_ids(self, internal: list[int], ctx: ExportContext) -> list[int]:
+        return list(internal)
+
+    def valid_for(self, internal: list[int], ctx: ExportContext) -> list[str]:
+        """Engine versions on which the written ids capture exactly `internal`."""
+        return ["all"]
+
+    def internal_aux_ids(self, written: list[int], engine_version: str = "") -> list[int]:
+        """What the engine captures for `written` ids (HF indices); inverse of the above."""
+        return list(written)
+
+    def aux_ids_in(self, cfg: dict[str, Any]) -> tuple[Optional[list[int]], str]:
+        """(ids as the engine reads them from `cfg`, where)."""
+        key = "eagle_aux_hidden_state_layer_ids"
+        return cfg.get(key), key
+
+    def config_problems(self, cfg: dict[str, Any], draft: DraftModelConfig,
+                        internal: list[int], ctx: ExportContext) -> list[str]:
+        problems = []
+        if cfg.get("architectures") != [self.architecture]:
+            problems.append(f"config: `architectures` is {cfg.get('architectures')!r}, must be "
+                            f"{[self.architecture]}")
+        ids, where = self.aux_ids_in(cfg)
+        written = self.written_aux_ids(internal, ctx)
+        if not ids:
+            problems.append(f"config: aux ids `{where}` absent (engines fall back to default "
+                            f"layers silently)")
+        elif list(ids) != written:
+            problems.append(f"config: `{where}` is {ids}, expected {written}")
+        if cfg.get("tie_word_embeddings") is not False:
+            problems.append("config: `tie_word_embeddings` must be false (true makes the "
+                            "engine use the embedding as lm_head)")
+        return problems + _shape_problems(cfg, self._layer(cfg), draft)
+
+    def _layer(self, cfg: dict[str, Any]) -> dict[str, Any]:
+        return cfg
+
+
+@dataclass(frozen=True)
+class VllmFormat(EngineFormat):
+    """vLLM's `Eagle3LlamaForCausalLM`, launched with --speculative-config. Ids are vLLM's
+    "capture before layer j" = the internal convention, written top-level (the only place
+    vLLM's V2 model runner reads) and in `eagle_config` (sizes `fc` in some versions)."""
+
+    def config(self, draft: DraftModelConfig, internal: list[int],
+               ctx: ExportContext) -> dict[str, Any]:
+        ids = _check_aux(draft, internal)
+        return {"architectures": [self.architecture], **_llama_fields(draft),
+                **_eagle_fields(draft), "eagle_aux_hidden_state_layer_ids": ids,
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids,
+                                 "use_aux_hidden_state": True}}
+
+    def config_problems(self, cfg: dict[str, Any], draft: DraftModelConfig,
+                        internal: list[int], ctx: ExportContext) -> list[str]:
+        problems = super().config_problems(cfg, draft, internal, ctx)
+        nested = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        top = cfg.get("eagle_aux_hidden_state_layer_ids")
+        if nested is not None and nested != top:
+            problems.append(f"config: eagle_config ids {nested} differ from top-level ids {top}")
+        return problems
+
+
+@dataclass(frozen=True)
+class SglangFormat(EngineFormat):
+    """SGLang's `LlamaForCausalLMEagle3` (`midlayer.*`; SGLang >= 0.5.23 also maps it to
+    `layers.0.*`, older SGLang knows only `midlayer`). Aux ids only in `eagle_config`, in the
+    SGLang convention of `export.sglang_aux_ids`; no top-level list, so that no other reader
+    takes SGLang-convention ids at face value. One layer, three aux states, and no
+    norm_before_residual variant."""
+
+    def written_aux_ids(self, internal: list[int], ctx: ExportContext) -> list[int]:
+        return sglang_written(list(internal), ctx.sglang_rule)[0]
+
+    def valid_for(self, internal: list[int], ctx: ExportContext) -> list[str]:
+        return [f"sglang {v}" for v in sglang_written(list(internal), ctx.sglang_rule)[1]]
+
+    def internal_aux_ids(self, written: list[int], engine_version: str = "post-25454"
+                         ) -> list[int]:
+        return sglang_captured(list(written), engine_version or "post-25454")
+
+    def aux_ids_in(self, cfg: dict[str, Any]) -> tuple[Optional[list[int]], str]:
+        return ((cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"),
+                "eagle_config.eagle_aux_hidden_state_layer_ids")
+
+    def config(self, draft: DraftModelConfig, internal: list[int],
+               ctx: ExportContext) -> dict[str, Any]:
+        ids = _check_aux(draft, internal)
+        if draft.num_layers != 1:
+            raise FormatError(f"SGLang serves one draft layer only, the drafter has "
+                              f"{draft.num_layers}: train with draft.num_layers=1 or drop "
+                              f"sglang from export.formats")
+        if draft.num_aux != 3:
+            raise FormatError(f"SGLang's fc is fixed at 3 aux states, the drafter has "
+                              f"num_aux={draft.num_aux}")
+        if draft.norm_before_residual:
+            raise FormatError("SGLang has no norm_before_residual=true variant: train with "
+                              "draft.norm_before_residual=false or drop sglang from "
+                              "export.formats")
+        return {"architectures": [self.architecture], **_llama_fields(draft),
+                **_eagle_fields(draft),
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids":
+                                 self.written_aux_ids(ids, ctx), "use_aux_hidden_state": True}}
+
+    def config_problems(self, cfg: dict[str, Any], draft: DraftModelConfig,
+                        internal: list[int], ctx: ExportContext) -> list[str]:
+        problems = super().config_problems(cfg, draft, internal, ctx)
+        if "eagle_aux_hidden_state_layer_ids" in cfg:
+            problems.append("config: top-level eagle_aux_hidden_state_layer_ids in an SGLang "
+                            "export (SGLang ignores it; other readers would take SGLang-"
+                            "convention ids at face value)")
+        if cfg.get("norm_before_residual") is True:
+            problems.append("config: SGLang cannot serve norm_before_residual=true")
+        return problems
+
+
+@dataclass(frozen=True)
+class SpeculatorsFormat(EngineFormat):
+    """speculators 0.9 (`layers.0.*`, nested `transformer_layer_config`); `vllm serve DIR`
+    starts the verifier named in `speculators_config.verifier.name_or_path`."""
+
+    def _layer(self, cfg: dict[str, Any]) -> dict[str, Any]:
+        layer = cfg.get("transformer_layer_config")
+        return layer if isinstance(layer, dict) else {}
+
+    def config(self, draft: DraftModelConfig, internal: list[int],
+               ctx: ExportContext) -> dict[str, Any]:
+        ids = _check_aux(draft, internal)
+        return {
+            "architectures": [self.architecture],
+            "speculators_model_type": "eagle3",
+            "speculators_version": SPECULATORS_VERSION,
+            **_eagle_fields(draft),
+            "eagle_aux_hidden_state_layer_ids": ids,
+            "embed_requires_grad": False,
+            "tie_word_embeddings": False,
+            "transformer_layer_config": _llama_fields(draft),
+            "speculators_config": {
+                "algorithm": "eagle3",
+                "default_proposal_method": "greedy",
+                "proposal_methods": [{"proposal_type": "greedy",
+                                      "speculative_tokens": int(ctx.speculative_tokens),
+                                      "accept_tolerance": 0.0, "verifier_accept_k": 1}],
+                "verifier": {"name_or_path": str(ctx.verifier_path),
+                             "architectures": [ctx.verifier_arch]},
+            },
+        }
+
+    def config_problems(self, cfg: dict[str, Any], draft: DraftModelConfig,
+                        internal: list[int], ctx: ExportContext) -> list[str]:
+        problems = super().config_problems(cfg, draft, internal, ctx)
+        if not isinstance(cfg.get("transformer_layer_config"), dict):
+            problems.append("config: `transformer_layer_config` missing (vLLM refuses a "
+                            "speculators config without it)")
+        if cfg.get("speculators_model_type") != "eagle3":
+            problems.append("config: `speculators_model_type` must be \"eagle3\"")
+        spec = cfg.get("speculators_config") or {}
+        methods = spec.get("proposal_methods") or [{}]
+        if not isinstance(methods[0].get("speculative_tokens"), int):
+            problems.append("config: `speculators_config.proposal_methods[0]."
+                            "speculative_tokens` missing")
+        if not (spec.get("verifier") or {}).get("name_or_path"):
+            problems.append("config: `speculators_config.verifier.name_or_path` missing "
+                            "(vLLM serves this verifier)")
+        return problems
+
+
+FORMATS: dict[str, EngineFormat] = {
+    "vllm": VllmFormat("vllm", "speculators", ("speculators", "sglang"), "LlamaForCausalLMEagle3"),
+    "sglang": SglangFormat("sglang", "sglang", ("sglang",), "LlamaForCausalLMEagle3"),
+    "speculators": SpeculatorsFormat("speculators", "speculators", ("speculators",),
+                                     "Eagle3DraftModel"),
+}
+
+
+def get_format(name: str) -> EngineFormat:
+    if name not in FORMATS:
+        raise FormatError(f"unknown export format {name!r}: use one of {', '.join(FORMATS)}")
+    return FORMATS[name]
+
+
+def speculators_config(draft: DraftModelConfig, aux_layer_ids: list[int],
+                       ctx: ExportContext) -> dict[str, Any]:
+    """config.json of a training checkpoint (`step-N/`): the speculators layout."""
+    return FORMATS["speculators"].config(draft, aux_layer_ids, ctx)
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+def clean_floats(obj: Any) -> Any:
+    """Floats that are float32 values (e.g. an eps read from a GGUF, 9.999999747378752e-06)
+    written as the shortest float32 literal (1e-05), so configs read as users wrote them."""
+    if isinstance(obj, dict):
+        return {k: clean_floats(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [clean_floats(v) for v in obj]
+    if isinstance(obj, float) and np.isfinite(obj) and float(np.float32(obj)) == obj:
+        return float(repr(np.float32(obj)).removeprefix("np.float32(").removesuffix(")"))
+    return obj
+
+
+def export_state_dict(state: Mapping[str, torch.Tensor], fmt: str) -> dict[str, torch.Tensor]:
+    """A training state dict (any layout, maybe compiled) -> the keys `fmt` ships."""
+    spec = get_format(fmt)
+    state = strip_compile_prefix(state)
+    if not spec.ships_embedding:
+        state = {k: v for k, v in state.items() if not k.startswith("embed_tokens.")}
+    return to_layout(state, spec.layout)
+
+
+def write_export(directory: Path, fmt: str, state: Mapping[str, torch.Tensor],
+                 draft: DraftModelConfig, aux_layer_ids: list[int], ctx: ExportContext,
+                 dtype: Optional[str] = None) -> None:
+    """Write config.json + model.safetensors of `fmt` into an existing (temporary) directory.
+
+    `dtype` (e.g. "bfloat16") casts the float weights; d2t/t2d keep int64/bool.
     """
-    return _vocab_map_problems(d2t, t2d, draft_vocab, vocab)
+    config = get_format(fmt).config(draft, aux_layer_ids, ctx)
+    tensors = export_state_dict(state, fmt)
+    if dtype is not None:
+        target = getattr(torch, dtype)
+        tensors = {k: v.to(target) if v.is_floating_point() else v for k, v in tensors.items()}
+    dtypes = {str(v.dtype).removeprefix("torch.") for v in tensors.values()
+              if v.is_floating_point()}
+    if len(dtypes) == 1:
+        config["dtype"] = dtypes.pop()
+    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+    # safetensors creates the file 0600; engines often run as another user (containers).
+    os.chmod(directory / WEIGHTS_FILE, 0o644)
+    (directory / CONFIG_FILE).write_text(json.dumps(clean_floats(config), indent=2) + "\n")
 
 
-def validate_export(directory: Path, fmt: str, draft: DraftModelConfig,
-                    aux_layer_ids: list[int],
-                    sglang_convention: SglangConvention = "post-25454") -> dict[str, Any]:
-    """Check an exported directory as its engine will read it; return a summary for reports.
+# ---------------------------------------------------------------------------------------------
+# Validation (reads back what the engine will load)
 
-    `draft` and `aux_layer_ids` (internal convention) describe the drafter that was exported;
-    raises ExportValidationError listing every problem found.
-    """
-    directory = Path(directory)
-    problems: list[str] = []
-    if fmt not in FORMATS:
-        raise FormatError(f"unknown export format {fmt!r}: use one of {', '.join(FORMATS)}")
-    cfg_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
-    cfg: dict[str, Any] = {}
-    if not cfg_path.is_file():
-        problems.append(f"{CONFIG_FILE} missing")
-    else:
-        try:
-            cfg = json.loads(cfg_path.read_text())
-        except json.JSONDecodeError as e:
-            problems.append(f"{CONFIG_FILE} is not valid JSON ({e})")
-    if not weights_path.is_file():
-        problems.append(f"{WEIGHTS_FILE} missing")
-        raise ExportValidationError(directory, fmt, problems)
 
-    tensors: dict[str, torch.Tensor] = {}
-    with safe_open(str(weights_path), framework="pt") as f:
-        for key in f.keys():
-            tensors[key] = f.get_tensor(key)
-    keys = set(tensors)
-
-    written_ids = engine_aux_ids(fmt, aux_layer_ids, sglang_convention)
-    if cfg:
-        problems += _draft_config_problems(fmt, cfg, draft, written_ids)
-
-    # Key-name hazards first: each one makes an engine fail or load random weights silently.
+def _key_problems(fmt: str, keys: set[str]) -> list[str]:
+    """Key-name hazards: each one makes an engine fail or load random weights silently."""
+    problems = []
     for key in sorted(keys):
         if key.startswith("model."):
             problems.append(f"key `{key}` starts with `model.` (vLLM prefixes model. itself and "
@@ -554,60 +579,87 @@ def validate_export(directory: Path, fmt: str, draft: DraftModelConfig,
     layer_keys = sorted(k for k in keys if _LAYER_KEY.match(k))
     if fmt == "sglang" and layer_keys:
         problems.append(f"SGLang export has `layers.N.*` keys {layer_keys[:3]}"
-                        f"{'...' if len(layer_keys) > 3 else ''}: SGLang drops them silently "
-                        f"(random weights); rename to `midlayer.*`")
-    try:
-        layout = detect_layout(k.removeprefix("model.").removeprefix(COMPILE_PREFIX)
-                               for k in keys)
-    except FormatError as e:
-        layout = FORMAT_LAYOUT[fmt]
-        problems.append(str(e))
-    if layout not in ACCEPTED_LAYOUTS[fmt]:
-        layout = FORMAT_LAYOUT[fmt]
-    expected = expected_tensors(draft, layout)
-
+                        f"{'...' if len(layer_keys) > 3 else ''}: SGLang before 0.5.23 drops "
+                        f"them silently (random weights); rename to `midlayer.*`")
     if "d2t" not in keys:
         problems.append("`d2t` missing (engines fall back to the identity map: draft id i -> "
                         "target id i, acceptance collapses)")
     if "lm_head.weight" not in keys:
         problems.append("`lm_head.weight` missing (the engine would use the verifier's "
                         "full-vocabulary head with a reduced-vocabulary drafter)")
-    for key in sorted(set(expected) - keys):
-        if key not in ("d2t", "lm_head.weight"):
-            problems.append(f"missing key `{key}` (expected shape {list(expected[key][0])})")
-    for key in sorted(keys - set(expected)):
-        if not (key.startswith("model.") or key.startswith(COMPILE_PREFIX)
-                or (fmt == "sglang" and _LAYER_KEY.match(key))):
-            problems.append(f"unexpected key `{key}` {list(tensors[key].shape)}")
-    for key in sorted(keys & set(expected)):
-        shape, dtype = expected[key]
-        t = tensors[key]
-        if tuple(t.shape) != shape:
-            problems.append(f"`{key}` has shape {list(t.shape)}, expected {list(shape)}")
-        if dtype is not None and t.dtype != dtype:
-            problems.append(f"`{key}` has dtype {t.dtype}, expected {dtype}")
-        if dtype is None and not t.is_floating_point():
-            problems.append(f"`{key}` has dtype {t.dtype}, expected a float dtype")
-    if "d2t" in tensors and "t2d" in tensors:
-        problems += _vocab_map_problems(tensors["d2t"], tensors["t2d"], draft.draft_vocab_size,
-                                        draft.vocab_size)
+    return problems
 
+
+def _read_config(path: Path, problems: list[str]) -> dict[str, Any]:
+    if not path.is_file():
+        problems.append(f"{CONFIG_FILE} missing")
+        return {}
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        problems.append(f"{CONFIG_FILE} is not valid JSON ({e})")
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def validate_export(directory: Path, fmt: str, draft: DraftModelConfig,
+                    aux_layer_ids: list[int], ctx: ExportContext) -> dict[str, Any]:
+    """Check an exported directory as its engine will read it; return a summary for reports.
+
+    `draft` and `aux_layer_ids` (internal convention) describe the drafter that was exported;
+    raises ExportValidationError listing every problem found.
+    """
+    spec = get_format(fmt)
+    directory = Path(directory)
+    problems: list[str] = []
+    cfg = _read_config(directory / CONFIG_FILE, problems)
+    weights_path = directory / WEIGHTS_FILE
+    if not weights_path.is_file():
+        raise ExportValidationError(directory, fmt, problems + [f"{WEIGHTS_FILE} missing"])
+    try:
+        with safe_open(str(weights_path), framework="pt") as f:
+            tensors = {key: f.get_tensor(key) for key in f.keys()}
+    except Exception as e:  # safetensors' own error type: truncated or damaged
+        raise ExportValidationError(directory, fmt, problems + [
+            f"{WEIGHTS_FILE} unreadable ({type(e).__name__}: {e})"]) from None
+    keys = set(tensors)
+    if cfg:
+        problems += spec.config_problems(cfg, draft, aux_layer_ids, ctx)
+    problems += _key_problems(fmt, keys)
+    try:
+        layout = detect_layout(k.removeprefix("model.").removeprefix(COMPILE_PREFIX)
+                               for k in keys if k not in ("d2t", "t2d"))
+    except FormatError as e:
+        layout = spec.layout
+        problems.append(str(e))
+    if layout not in spec.accepted_layouts:
+        layout = spec.layout
+    hazard = lambda k: (k.startswith(("model.", COMPILE_PREFIX))  # noqa: E731
+                        or (fmt == "sglang" and bool(_LAYER_KEY.match(k))))
+    expected = {k: v for k, v in expected_tensors(draft, layout).items()
+                if k not in ("d2t", "lm_head.weight") or k in keys}  # reported above
+    problems += tensor_problems(expected, tensors, ignore_unexpected=hazard)
+    nonfinite = [k for k, t in tensors.items() if t.is_floating_point()
+                 and not bool(torch.isfinite(t).all())]
+    problems += [f"`{k}` has NaN or infinite values" for k in nonfinite]
+    if "d2t" in tensors and "t2d" in tensors:
+        problems += vocab_map_problems(tensors["d2t"], tensors["t2d"], draft.draft_vocab_size,
+                                       draft.vocab_size)
     if problems:
         raise ExportValidationError(directory, fmt, problems)
-    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()})
     return {
         "format": fmt,
         "layout": layout,
         "num_keys": len(keys),
-        "num_parameters": int(sum(t.numel() for k, t in tensors.items()
-                                  if t.is_floating_point())),
-        "dtypes": dtypes,
+        "num_parameters": int(sum(t.numel() for t in tensors.values() if t.is_floating_point())),
+        "dtypes": sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()}),
         "shapes": {k: list(tensors[k].shape) for k in sorted(keys)},
         "aux_layer_ids_internal": list(aux_layer_ids),
-        "aux_layer_ids_written": written_ids,
-        "aux_convention": aux_convention(fmt, sglang_convention),
+        "aux_layer_ids_written": spec.written_aux_ids(list(aux_layer_ids), ctx),
+        "aux_ids_valid_for": spec.valid_for(list(aux_layer_ids), ctx),
         "norm_before_residual": bool(draft.norm_before_residual),
+        "embedding_shipped": spec.ships_embedding,
         "checks_passed": ["config fields", "key names (no model./_orig_mod./layers.N in sglang)",
                           "exact key set", "shapes", "dtypes (d2t int64, t2d bool)",
-                          "d2t offsets onto t2d", "aux ids"],
+                          "finite weights", "d2t offsets onto t2d", "aux ids"],
     }

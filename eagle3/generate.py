@@ -3,7 +3,7 @@
     python 01_generate_data.py configs/smollm2-135m-cpu.yaml [generate.engine=vllm ...]
     python 01_generate_data.py configs/kimi-k2.5.yaml generate.server_urls=[http://n1:8000,...]
 
-Prompts come from eagle3.data (sources, formats, filters, held-out split). Each conversation
+Prompts come from eagle3.data (sources, formats, filters, selection). Each conversation
 keeps its system and user turns; the verifier answers user turn 1, then user turn 2 given its
 own answer 1, and so on (never the original answers). Engines (`generate.engine`):
 
@@ -23,10 +23,12 @@ fail after all retries are not recorded: the stage then stops with an error and 
 only those. The merge writes, under `01_data/`:
 
 - `conversations.jsonl`: {id, source, messages, sampling, turns, finish_reason, ...}
-- `errors.jsonl`: {id, source, kind, reason} for bad source rows and dropped conversations
-- `heldout.jsonl`: the held-out prompts (not regenerated)
+- `skipped.jsonl`: {id, source, kind, reason} for rows left out by design (source rows that are
+  not a prompt, too long, no assistant token, ...)
+- `errors.jsonl`: the same for what went wrong (a template that fails, an engine that refuses
+  a request, an empty answer)
 - `dataset/`: `datasets` Arrow dataset, columns id (string), input_ids (int32), loss_mask (int8)
-- `manifest.json` (last): summary statistics, held-out ids, sources, sampling, config.
+- `manifest.json` (last): summary statistics, sources, sampling, config.
 """
 
 from __future__ import annotations
@@ -38,7 +40,6 @@ import json
 import logging
 import os
 import shutil
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,29 +48,23 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 
 from eagle3.data import (ChatTemplateError, NonPrefixTemplateError, PromptSet,
-                         conversation_samples, load_prompts, load_tokenizer, render,
-                         split_reasoning)
-from eagle3.engines import (ChatClient, RequestRejected, TransientError, engine_server,
-                            fill_command, free_port, sglang_command, vllm_command)
+                         conversation_samples, load_prompts, render, split_reasoning)
+from eagle3.engines import ChatClient, RequestRejected, TransientError, start_server
 from eagle3.runs import (Stage, StageError, atomic_dir, atomic_write_json, atomic_write_text,
-                         clean_stale_tmp)
+                         clean_stale_tmp, config_changes, depends_on, file_records)
+from eagle3.verifier import load_tokenizer, stop_token_ids
 
 log = logging.getLogger("eagle3")
 
 SHARDS = "shards"
 CONVERSATIONS = "conversations.jsonl"
 ERRORS = "errors.jsonl"
-HELDOUT = "heldout.jsonl"
+SKIPPED = "skipped.jsonl"
 DATASET = "dataset"
 PLAN = "plan.json"
 LOG_EVERY_S = 30.0
 FSYNC_EVERY_S = 5.0
 DATASET_BATCH_ROWS = 1024
-
-# Settings that change what a row contains: a rerun with other values cannot reuse old shards.
-PLAN_KEYS = ("engine", "max_new_tokens", "temperature", "top_p", "seed", "batch_size",
-             "batch_tokens", "chunk_size")
-
 
 def sampling_params(stage: Stage) -> dict[str, Any]:
     """Sampling settings shared by all rows (each row records its own seed)."""
@@ -102,9 +97,17 @@ def read_shards(shard_dir: Path) -> dict[str, dict[str, Any]]:
                         path, len(data) - end)
             with open(path, "r+b") as f:
                 f.truncate(end)
-        for line in data[:end].decode("utf-8").splitlines():
-            if line.strip():
-                row = json.loads(line)
+        for lineno, line in enumerate(data[:end].decode("utf-8", errors="replace")
+                                      .splitlines(), 1):
+            try:
+                row = json.loads(line) if line.strip() else None
+            except json.JSONDecodeError:
+                row = None
+            if line.strip() and not (isinstance(row, dict) and "id" in row):
+                # Damage after the write: the row is regenerated, the rest kept.
+                log.warning("%s:%d is damaged; that conversation is regenerated", path, lineno)
+                continue
+            if row is not None:
                 rows.setdefault(row["id"], row)
     return rows
 
@@ -270,17 +273,6 @@ def _load_model(stage: Stage) -> tuple[Any, str]:
     return model, device
 
 
-def _eos_ids(tokenizer: Any, model: Any) -> list[int]:
-    """Ids that end generation: the tokenizer's EOS plus the generation config's."""
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    gen_eos = getattr(model.generation_config, "eos_token_id", None)
-    if isinstance(gen_eos, int):
-        ids.add(gen_eos)
-    elif isinstance(gen_eos, list):
-        ids.update(gen_eos)
-    return sorted(ids)
-
-
 def budget_batches(lengths: list[int], max_rows: int, budget: int,
                    new_tokens: int) -> list[tuple[int, int]]:
     """[start, end) ranges over length-sorted rows: at most `max_rows` rows and
@@ -303,7 +295,7 @@ class HFEngine:
         self.cfg = stage.cfg
         self.tok = tok
         self.model, self.device = _load_model(stage)
-        self.eos = _eos_ids(tok, self.model)
+        self.eos = stop_token_ids(tok, stage.cfg)
 
     def _generate(self, prompts: list[list[int]]) -> list[tuple[list[int], str]]:
         """(answer ids without the EOS, finish reason) per prompt of one batch."""
@@ -416,22 +408,9 @@ def generation_servers(stage: Stage) -> Iterator[list[str]]:
     if g.server_urls:
         yield list(g.server_urls)
         return
-    model = str(cfg.verifier_path)
-    port = free_port()
-    max_len = g.max_model_len or cfg.data.max_seq_len + g.max_new_tokens
-    if g.command:
-        cmd = fill_command(list(g.command), model, port, max_len)
-    else:
-        python = g.python or sys.executable
-        build = vllm_command if g.engine == "vllm" else sglang_command
-        cmd = build(python, model, port, max_len, list(g.extra_args))
-        if cfg.verifier.chat_template:  # the server must render exactly as the masks do
-            cmd += ["--chat-template", str(Path(cfg.verifier.chat_template).expanduser())]
-        if cfg.verifier.trust_remote_code:
-            cmd.append("--trust-remote-code")
-    log_path = stage.dir / "logs" / f"{g.engine}.log"
-    with engine_server(g.engine, cmd, dict(g.env), log_path, port, model, g.startup_timeout_s,
-                       timeout_key="generate.startup_timeout_s") as server:
+    max_len = g.server.max_model_len or cfg.data.max_seq_len + g.max_new_tokens
+    with start_server(g.engine, cfg, g.server, "generate.server",
+                      stage.dir / "logs" / f"{g.engine}.log", max_model_len=max_len) as server:
         yield [server.url()]
 
 
@@ -483,7 +462,7 @@ async def _serve_all(stage: Stage, tok: Any, urls: list[str], convs: list[Conver
                           max_keepalive_connections=g.concurrency * len(urls))
     failed: list[str] = []
     async with httpx.AsyncClient(limits=limits) as http:
-        clients = [ChatClient(u, http, g.request_timeout_s, g.max_retries, g.retry_backoff_s)
+        clients = [ChatClient(u, http, g.server, g.max_retries, g.retry_backoff_s)
                    for u in urls]
         models = []
         for client in clients:
@@ -531,18 +510,15 @@ def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
 
 
 def _check_plan(stage: Stage) -> None:
-    """Refuse to append to shards made with other prompts or sampling settings."""
-    cfg = stage.cfg
-    plan = {"verifier": str(cfg.verifier_path), "chat_template": cfg.verifier.chat_template,
-            "data": cfg.to_dict()["data"],
-            "generate": {k: getattr(cfg.generate, k) for k in PLAN_KEYS}}
+    """Refuse to append to shards made with other prompts or sampling settings (the stage's
+    config keys, `eagle3.runs.STAGES[1]`)."""
+    plan = depends_on(stage.cfg, 1)
     path = stage.dir / PLAN
     if path.is_file():
-        old = json.loads(path.read_text())
-        if old != plan:
-            diff = next(k for k in plan if plan[k] != old.get(k))
-            raise StageError(f"{stage.dir} holds rows made with other `{diff}` settings: rerun "
-                             f"with --restart to start stage 01 over")
+        changes = config_changes(json.loads(path.read_text()), plan)
+        if changes:
+            raise StageError(f"{stage.dir} holds rows made with another config ({changes[0]}): "
+                             f"rerun with --restart to start stage 01 over")
         return
     atomic_write_json(path, plan)
 
@@ -610,102 +586,133 @@ def run_generate(stage: Stage) -> None:
     _merge(stage, prompts, tok, convs, done, sampling, speed, started)
 
 
-def _merge(stage: Stage, prompts: PromptSet, tok: Any, convs: list[Conversation],
-           done: dict[str, dict[str, Any]], sampling: dict[str, Any], speed: dict[str, float],
-           started: float) -> None:
-    cfg, data = stage.cfg, stage.cfg.data
-    out_dir = stage.dir
-    errors: list[dict[str, Any]] = list(prompts.errors)
-    conversations: list[dict[str, Any]] = []
-    ids: list[str] = []
-    input_ids: list[list[int]] = []
-    masks: list[list[int]] = []
-    truncated = split = 0
+# Kinds of left-out rows that mean something went wrong; every other kind is a row left out by
+# design (not a prompt, too long, filtered) and is reported as skipped.
+ERROR_KINDS = ("template_error", "non_prefix_template", "engine_rejected", "empty_answer",
+               "unreadable")
 
-    def error(row: dict[str, Any], kind: str, reason: str, sid: Optional[str] = None) -> None:
-        errors.append({"id": sid or row["id"], "source": row["source"], "kind": kind,
-                       "reason": reason})
 
-    for c in convs:  # prompt order, whatever order the rows finished in
+@dataclass
+class _Samples:
+    ids: list[str] = field(default_factory=list)
+    input_ids: list[list[int]] = field(default_factory=list)
+    masks: list[list[int]] = field(default_factory=list)
+    conversations: list[dict[str, Any]] = field(default_factory=list)
+    left_out: list[dict[str, Any]] = field(default_factory=list)
+    """{id, source, kind, reason} of every row or sample not in the dataset."""
+    truncated: int = 0
+    split: int = 0
+
+    def leave_out(self, row: dict[str, Any], kind: str, reason: str,
+                  sid: Optional[str] = None) -> None:
+        self.left_out.append({"id": sid or row["id"], "source": row["source"], "kind": kind,
+                              "reason": reason})
+
+
+def _tokenize_rows(stage: Stage, tok: Any, convs: list[Conversation],
+                   done: dict[str, dict[str, Any]], out: _Samples) -> None:
+    """Every finished conversation -> samples (ids, masks), in prompt order."""
+    data = stage.cfg.data
+    stop_ids = set(stop_token_ids(tok, stage.cfg))
+    for c in convs:
         row = done[c.id]
         if "error" in row:
-            error(row, row["error_kind"], row["error"])
+            out.leave_out(row, row["error_kind"], row["error"])
             continue
         try:
-            samples, was_split = conversation_samples(tok, row["messages"],
+            samples, was_split = conversation_samples(tok, row["messages"], stop_ids,
                                                       data.split_rewritten_turns)
         except NonPrefixTemplateError as e:
-            error(row, "non_prefix_template", str(e))
+            out.leave_out(row, "non_prefix_template", str(e))
             continue
         except ChatTemplateError as e:
-            error(row, "template_error", str(e))
+            out.leave_out(row, "template_error", str(e))
             continue
-        split += was_split
+        out.split += was_split
         kept = 0
         for k, (toks, mask) in enumerate(samples):
             sid = f"{row['id']}#{k}" if was_split else row["id"]
             if len(toks) > data.max_seq_len:
                 if data.truncation == "drop":
-                    error(row, "too_long", f"{len(toks)} tokens > data.max_seq_len="
-                          f"{data.max_seq_len} (data.truncation=drop)", sid)
+                    out.leave_out(row, "too_long", f"{len(toks)} tokens > data.max_seq_len="
+                                  f"{data.max_seq_len} (data.truncation=drop)", sid)
                     continue
                 toks, mask = toks[:data.max_seq_len], mask[:data.max_seq_len]
-                truncated += 1
+                out.truncated += 1
             if not any(mask):
-                error(row, "no_assistant_token", f"no assistant token within data.max_seq_len="
-                      f"{data.max_seq_len}", sid)
+                out.leave_out(row, "no_assistant_token", f"no assistant token within "
+                              f"data.max_seq_len={data.max_seq_len}", sid)
                 continue
-            ids.append(sid)
-            input_ids.append(toks)
-            masks.append(mask)
+            out.ids.append(sid)
+            out.input_ids.append(toks)
+            out.masks.append(mask)
             kept += 1
         if kept:
-            conversations.append(row | ({"samples": len(samples)} if was_split else {}))
-    if not ids:
-        _write_jsonl(out_dir / ERRORS, errors)
-        raise StageError(f"stage 01 produced no usable sample ({len(errors)} errors, see "
-                         f"{out_dir / ERRORS}); check the verifier, template and data limits")
+            out.conversations.append(row | ({"samples": len(samples)} if was_split else {}))
 
-    ds = _build_dataset(ids, input_ids, masks)
+
+def _count(items: list[dict[str, Any]], key: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for item in items:
+        out[item[key]] = out.get(item[key], 0) + 1
+    return out
+
+
+def _summary(stage: Stage, convs: list[Conversation], s: _Samples, errors: list[dict[str, Any]],
+             skipped: list[dict[str, Any]]) -> dict[str, Any]:
+    data = stage.cfg.data
+    lengths = [len(x) for x in s.input_ids]
+    tokens, assistant = sum(lengths), sum(sum(m) for m in s.masks)
+    return {
+        "prompts": len(convs), "rows": len(s.conversations), "samples": len(s.ids),
+        "skipped": len(skipped), "skipped_by_reason": _count(skipped, "kind"),
+        "errors": len(errors), "errors_by_kind": _count(errors, "kind"),
+        "tokens": tokens, "assistant_tokens": assistant,
+        "assistant_fraction": round(assistant / max(tokens, 1), 4),
+        "length_percentiles": _percentiles(lengths),
+        "finish_reason": _count(s.conversations, "finish_reason"),
+        "turns": _percentiles([len(r["turns"]) for r in s.conversations]),
+        "generated_tokens": sum(r["num_generated_tokens"] for r in s.conversations),
+        "truncated": s.truncated, "split_conversations": s.split,
+        "truncation": data.truncation, "thinking": data.thinking}
+
+
+def _merge(stage: Stage, prompts: PromptSet, tok: Any, convs: list[Conversation],
+           done: dict[str, dict[str, Any]], sampling: dict[str, Any], speed: dict[str, float],
+           started: float) -> None:
+    """Tokenize and mask every finished conversation, write the dataset, the row reports and
+    the manifest."""
+    out_dir = stage.dir
+    s = _Samples(left_out=[{"id": r["id"], "source": r["source"], "kind": r["kind"],
+                            "reason": r["reason"]} for r in prompts.skipped])
+    _tokenize_rows(stage, tok, convs, done, s)
+    errors = [r for r in s.left_out if r["kind"] in ERROR_KINDS]
+    skipped = [r for r in s.left_out if r["kind"] not in ERROR_KINDS]
+    _write_jsonl(out_dir / ERRORS, errors)
+    _write_jsonl(out_dir / SKIPPED, skipped)
+    if not s.ids:
+        raise StageError(f"stage 01 produced no usable sample ({len(skipped)} rows skipped, "
+                         f"{len(errors)} errors: see {out_dir / SKIPPED} and {out_dir / ERRORS}"
+                         f"); check the verifier, template and data limits")
     dataset_dir = out_dir / DATASET
     if dataset_dir.exists():
         # Left by a run killed after the rename but before the manifest: rebuilt identically.
         shutil.rmtree(dataset_dir)
     with atomic_dir(dataset_dir) as tmp:
-        ds.save_to_disk(str(tmp))
-    _write_jsonl(out_dir / CONVERSATIONS, conversations)
-    _write_jsonl(out_dir / ERRORS, errors)
-    _write_jsonl(out_dir / HELDOUT, prompts.heldout)
-
-    lengths = [len(x) for x in input_ids]
-    tokens = sum(lengths)
-    assistant = sum(sum(m) for m in masks)
-    by_kind: dict[str, int] = {}
-    for e in errors:
-        by_kind[e["kind"]] = by_kind.get(e["kind"], 0) + 1
-    finish: dict[str, int] = {}
-    for r in conversations:
-        finish[r["finish_reason"]] = finish.get(r["finish_reason"], 0) + 1
-    summary = {
-        "prompts": len(convs), "rows": len(conversations), "samples": len(ids),
-        "heldout": len(prompts.heldout), "errors": len(errors), "errors_by_kind": by_kind,
-        "tokens": tokens, "assistant_tokens": assistant,
-        "assistant_fraction": round(assistant / max(tokens, 1), 4),
-        "length_percentiles": _percentiles(lengths), "finish_reason": finish,
-        "turns": _percentiles([len(r["turns"]) for r in conversations]),
-        "generated_tokens": sum(r["num_generated_tokens"] for r in conversations),
-        "truncated": truncated, "split_conversations": split,
-        "truncation": data.truncation, "thinking": data.thinking}
-    log.info("stage 01 summary: %d rows (%d samples), %d held out, %d errors %s, %d tokens, "
-             "assistant fraction %.3f, lengths %s, finish %s, %d truncated (%s), %d split",
-             summary["rows"], len(ids), summary["heldout"], len(errors), by_kind, tokens,
-             summary["assistant_fraction"], summary["length_percentiles"], finish, truncated,
-             data.truncation, split)
+        _build_dataset(s.ids, s.input_ids, s.masks).save_to_disk(str(tmp))
+    _write_jsonl(out_dir / CONVERSATIONS, s.conversations)
+    summary = _summary(stage, convs, s, errors, skipped)
+    log.info("stage 01 summary: %d rows (%d samples), %d tokens, assistant fraction %.3f, "
+             "lengths %s, finish %s, %d truncated (%s), %d split; skipped %s; errors %s",
+             summary["rows"], summary["samples"], summary["tokens"],
+             summary["assistant_fraction"], summary["length_percentiles"],
+             summary["finish_reason"], s.truncated, stage.cfg.data.truncation, s.split,
+             summary["skipped_by_reason"] or "none", summary["errors_by_kind"] or "none")
     stage.write_manifest(
-        inputs={"sources": [s.path for s in data.source_configs],
-                "verifier": str(cfg.verifier_path)},
-        outputs={"conversations": CONVERSATIONS, "errors": ERRORS, "heldout": HELDOUT,
+        inputs={"sources": [src.path for src in stage.cfg.data.source_configs],
+                "verifier": str(stage.cfg.verifier_path)},
+        outputs={"conversations": CONVERSATIONS, "errors": ERRORS, "skipped": SKIPPED,
                  "dataset": DATASET, "shards": SHARDS},
-        counts=summary, started=started, sampling=sampling, engine=cfg.generate.engine,
-        sources=prompts.stats, heldout_ids=[r["id"] for r in prompts.heldout],
+        counts=summary, files=file_records(out_dir, [dataset_dir]), started=started,
+        sampling=sampling, engine=stage.cfg.generate.engine, sources=prompts.stats,
         generation_this_run=speed)

@@ -1,6 +1,6 @@
 """The EAGLE-3 draft model, in one file: config, layers, and the training-time-test step.
 
-Shapes follow the checkpoints the engines load (REFERENCE.md section 1). Parameter names are
+Shapes follow the checkpoints the engines load (docs/engines.md, "The draft model"). Parameter names are
 the speculators/vLLM-internal ones (`layers.0.*`); `eagle3/formats.py` maps them to `midlayer.*`
 for SGLang. One draft step:
 
@@ -48,12 +48,24 @@ class DraftModelConfig:
     """Rows of `lm_head`."""
     norm_before_residual: bool = False
 
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple "
+                             f"of num_key_value_heads={self.num_key_value_heads}")
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "DraftModelConfig":
-        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+        """Exactly the fields of this class: an unknown or missing one is an error (a silent
+        default of e.g. norm_before_residual would build another model)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown, missing = set(d) - names, names - set(d)
+        if unknown or missing:
+            raise ValueError(f"draft config: unknown fields {sorted(unknown)}, missing "
+                             f"{sorted(missing)}")
+        return cls(**d)
 
 
 class RMSNorm(nn.Module):

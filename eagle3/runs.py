@@ -1,53 +1,153 @@
-"""Run directory, stage manifests, atomic writes and the resume contract.
+"""Run directory, stage manifests, atomic writes, integrity records, locks and the resume
+contract.
 
 `<run.dir>/<run.name>/` holds one folder per stage. A file is written under a temporary name and
 `os.replace`d into place; a directory is built under a temporary name and renamed; a stage's
-`manifest.json` is written last, so "has a manifest" is the one meaning of "done". A stage checks
-its upstream manifest (present, and made with a compatible config) before it starts.
+`manifest.json` is written last, so "has a manifest" is the one meaning of "done". The manifest
+records:
+
+- `depends_on`: the resolved values of every config key the stage's output depends on, its own
+  and its upstream stages' (`STAGES[n].keys`). A change of any of them makes the output stale;
+  a cosmetic key (`train.log_every`) is in no list and changes nothing.
+- `files`: size and sha256 of every file a later stage reads. They are checked each time the
+  output is used (`run.verify`): by the next stage before it starts, and by a rerun of the stage
+  itself, so damage after completion is reported with the file and the command that repairs it.
+
+A running stage holds an exclusive lock on itself and shared locks on its upstream stages
+(`Stage.lock`), so two runs of one stage, or the redo of a stage another one is reading, refuse
+to start. The OS drops the locks of a killed process: kill -9 never leaves a stale lock.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 from eagle3.config import Config
 
-STAGES = {
-    1: ("01_data", "01_generate_data.py"),
-    2: ("02_hidden_states", "02_extract_hidden_states.py"),
-    3: ("03_vocab", "03_build_vocab_map.py"),
-    4: ("04_train", "04_train.py"),
-    5: ("05_export", "05_fix_keys.py"),
-    6: ("06_bench", "06_deploy_and_bench.py"),
-}
-
-# Config keys whose change makes a stage's output (and everything downstream) invalid.
-# A stage's compatibility with its upstream is checked on the keys of every stage up to it.
-SHAPING_KEYS = {
-    # Sampling and engine decide what was generated; server URLs, concurrency, batch sizes and
-    # timeouts only decide how fast, so changing them must not invalidate finished data.
-    1: ["verifier.path", "verifier.chat_template", "data", "generate.engine",
-        "generate.max_new_tokens", "generate.temperature", "generate.top_p", "generate.seed"],
-    2: ["verifier.aux_layer_ids", "hidden_states.dtype"],
-    3: ["vocab", "train.finetune_from"],
-    4: ["draft", "train"],
-    5: ["export"],
-    6: ["bench"],
-}
-
 MANIFEST = "manifest.json"
+LOCKS = ".locks"
 
 
 class StageError(RuntimeError):
     """A user-facing stage failure: missing upstream, incompatible config, bad input."""
+
+
+# ---------------------------------------------------------------------------------------------
+# What each stage depends on
+
+
+def _chat_template_digest(cfg: Config) -> Optional[str]:
+    """The template's content, not its path: an edited file changes what was rendered."""
+    if not cfg.verifier.chat_template:
+        return None
+    path = Path(cfg.verifier.chat_template).expanduser()
+    return file_sha256(path) if path.is_file() else f"missing:{path}"
+
+
+def _hf_generation(key: str) -> Callable[[Config], Any]:
+    """A key that shapes generated text only when the hf engine generates in-process."""
+    return lambda cfg: _lookup(cfg.to_dict(), key) if cfg.generate.engine == "hf" else None
+
+
+def _without(section: str, *cosmetic: str) -> Callable[[Config], Any]:
+    return lambda cfg: {k: v for k, v in cfg.to_dict()[section].items() if k not in cosmetic}
+
+
+# Per stage: display key -> resolver (None = the value at that dotted path). Values are resolved
+# (a default aux-id list equals the same ids written out; a template is its content).
+Resolver = Optional[Callable[[Config], Any]]
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    dirname: str
+    script: str
+    upstream: tuple[int, ...]
+    keys: dict[str, Resolver]
+    """Config keys this stage's own output depends on (its upstream's are added)."""
+    resume_on_change: bool = False
+    """When a key changed: False = the output is stale, a rerun needs --restart (the old output
+    is moved aside); True = a rerun redoes exactly the units the change affects."""
+
+
+STAGES: dict[int, StageSpec] = {
+    1: StageSpec("01_data", "01_generate_data.py", (), {
+        "verifier.path": lambda c: str(c.verifier_path.resolve()),
+        "verifier.chat_template": _chat_template_digest,
+        "verifier.stop_token_ids": None, "data": None, "generate.engine": None, "generate.max_new_tokens": None,
+        "generate.temperature": None, "generate.top_p": None, "generate.seed": None,
+        "generate.batch_size (hf engine)": _hf_generation("generate.batch_size"),
+        "generate.batch_tokens (hf engine)": _hf_generation("generate.batch_tokens"),
+        "generate.chunk_size (hf engine)": _hf_generation("generate.chunk_size"),
+        "verifier.dtype (hf engine)": _hf_generation("verifier.dtype")}),
+    2: StageSpec("02_hidden_states", "02_extract_hidden_states.py", (1,), {
+        "verifier.aux_layer_ids": lambda c: list(c.verifier_info.aux_layer_ids),
+        "hidden_states.dtype": None, "hidden_states.backend": None,
+        "verifier.dtype (hf backend)":
+            lambda c: c.verifier.dtype if c.hidden_states.backend == "hf" else None}),
+    3: StageSpec("03_vocab", "03_build_vocab_map.py", (1,), {
+        "vocab.draft_vocab_size": None, "vocab.copies_base_map": lambda c: c.copies_base_vocab,
+        "vocab.allow_remap": None,
+        "train.finetune_from": lambda c: (str(Path(c.train.finetune_from).expanduser().resolve())
+                                          if c.train.finetune_from else None)}),
+    4: StageSpec("04_train", "04_train.py", (2, 3), {
+        "draft": None,
+        # How often to log, how many checkpoints to keep and DDP vs FSDP change no weight.
+        "train": _without("train", "log_every", "keep", "tensorboard", "parallel")}),
+    5: StageSpec("05_export", "05_fix_keys.py", (4,), {"export": None},
+                 resume_on_change=True),
+    6: StageSpec("06_bench", "06_deploy_and_bench.py", (5,), {"bench": None},
+                 resume_on_change=True),
+}
+
+
+def _lookup(d: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        d = d.get(part) if isinstance(d, dict) else None
+    return d
+
+
+def all_upstream(number: int) -> list[int]:
+    """Every stage `number` depends on, directly or not, in ascending order."""
+    out: set[int] = set()
+    todo = list(STAGES[number].upstream)
+    while todo:
+        n = todo.pop()
+        if n not in out:
+            out.add(n)
+            todo.extend(STAGES[n].upstream)
+    return sorted(out)
+
+
+def depends_on(cfg: Config, number: int) -> dict[str, Any]:
+    """Resolved values of every key stage `number`'s output depends on (its upstream's too)."""
+    out: dict[str, Any] = {}
+    for n in [*all_upstream(number), number]:
+        for key, resolve in STAGES[n].keys.items():
+            out[key] = resolve(cfg) if resolve is not None else _lookup(cfg.to_dict(), key)
+    return json.loads(json.dumps(out))  # tuples -> lists, as a manifest reads back
+
+
+def _leaf_diffs(key: str, then: Any, now: Any) -> list[str]:
+    if isinstance(then, dict) and isinstance(now, dict):
+        return [d for k in sorted(set(then) | set(now))
+                for d in _leaf_diffs(f"{key}.{k}", then.get(k), now.get(k))]
+    return [] if then == now else [f"{key}: {then!r} there, {now!r} now"]
+
+
+def config_changes(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """One line per changed leaf key, e.g. "data.num_samples: 8 there, 99 now"."""
+    return [d for key in current for d in _leaf_diffs(key, recorded.get(key), current[key])]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -116,6 +216,21 @@ def clean_stale_tmp(directory: Path) -> None:
             shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 
+def move_aside(path: Path, tag: str) -> Path:
+    """Rename `path` to `<name>.<tag>-<time>` next to it (never deleted); return the new path."""
+    dest = path.with_name(f"{path.name}.{tag}-{time.strftime('%Y%m%d-%H%M%S')}")
+    n = 1
+    while dest.exists():
+        dest = dest.with_name(f"{path.name}.{tag}-{time.strftime('%Y%m%d-%H%M%S')}-{n}")
+        n += 1
+    os.rename(path, dest)
+    return dest
+
+
+# ---------------------------------------------------------------------------------------------
+# File integrity records
+
+
 def file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -124,14 +239,42 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def file_record(path: Path) -> dict[str, Any]:
+    """{"bytes", "sha256"} of a file: what `verify_files` checks it against later."""
+    return {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
+
+
+def file_records(root: Path, paths: list[Path]) -> dict[str, dict[str, Any]]:
+    """Records of `paths` (files, or directories taken whole) keyed by path relative to root."""
+    files = sorted({f for p in paths for f in ([p] if p.is_file() else p.rglob("*"))
+                    if f.is_file()})
+    return {str(f.relative_to(root)): file_record(f) for f in files}
+
+
+def verify_files(root: Path, records: dict[str, dict[str, Any]], mode: str) -> list[str]:
+    """One line per file under `root` that no longer matches its record; [] when all do.
+    `mode` is `run.verify`: `sha256` reads every byte (hashed on a few threads), `size` only
+    compares sizes."""
+    def check(item: tuple[str, dict[str, Any]]) -> Optional[str]:
+        name, rec = item
+        path = root / name
+        if not path.is_file():
+            return f"{name}: missing"
+        size = path.stat().st_size
+        if size != rec["bytes"]:
+            return f"{name}: {size} bytes, {rec['bytes']} when it was written (truncated or " \
+                   f"replaced)"
+        if mode == "sha256" and file_sha256(path) != rec["sha256"]:
+            return f"{name}: content differs from when it was written (sha256 mismatch)"
+        return None
+
+    workers = min(8, os.cpu_count() or 1)
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:  # hashlib releases the GIL
+        return [p for p in pool.map(check, sorted(records.items())) if p]
+
+
 # ---------------------------------------------------------------------------------------------
 # Stages and manifests
-
-
-def _get(d: dict[str, Any], dotted: str) -> Any:
-    for part in dotted.split("."):
-        d = d.get(part) if isinstance(d, dict) else None
-    return d
 
 
 def _versions() -> dict[str, str]:
@@ -145,19 +288,31 @@ def _versions() -> dict[str, str]:
     return out
 
 
+def is_rank0() -> bool:
+    """Rank 0 of a torchrun job, or a plain process: the one that checks, locks and writes."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 @dataclass
 class Stage:
-    """One stage of one run: its directory, its manifest and its upstream checks."""
+    """One stage of one run: its directory, manifest, upstream checks and locks."""
     cfg: Config
     number: int
+    needs_bytes: Optional[int] = None
+    """Disk this stage still has to write, when known (quoted if the disk fills up)."""
+    _verified: set[int] = field(default_factory=set, repr=False)
+
+    @property
+    def spec(self) -> StageSpec:
+        return STAGES[self.number]
 
     @property
     def name(self) -> str:
-        return STAGES[self.number][0]
+        return self.spec.dirname
 
     @property
     def script(self) -> str:
-        return STAGES[self.number][1]
+        return self.spec.script
 
     @property
     def dir(self) -> Path:
@@ -167,75 +322,167 @@ class Stage:
     def manifest_path(self) -> Path:
         return self.dir / MANIFEST
 
+    def command(self, flag: str = "") -> str:
+        return f"python {self.script} {self.cfg.source}" + (f" {flag}" if flag else "")
+
     def is_done(self) -> bool:
         return self.manifest_path.is_file()
 
     def manifest(self) -> dict[str, Any]:
-        return json.loads(self.manifest_path.read_text())
+        try:
+            return json.loads(self.manifest_path.read_text())
+        except (OSError, ValueError):
+            raise StageError(f"{self.manifest_path} is unreadable: rerun "
+                             f"`{self.command('--repair')}`") from None
 
     def upstream(self, number: int) -> "Stage":
         return Stage(self.cfg, number)
 
-    def _incompatibilities(self, manifest: dict[str, Any], upto: int) -> list[str]:
-        now = self.cfg.to_dict()
-        then = manifest.get("config", {})
-        diffs = []
-        for n in range(1, upto + 1):
-            for key in SHAPING_KEYS[n]:
-                if _get(now, key) != _get(then, key):
-                    diffs.append(f"{key} = {_get(then, key)!r} there, {_get(now, key)!r} now")
-        return diffs
+    def changes(self, manifest: dict[str, Any]) -> list[str]:
+        """Keys (leaf level) whose value differs from the one `manifest` was made with."""
+        if "depends_on" not in manifest:
+            return ["(the manifest predates config tracking)"]
+        return config_changes(manifest["depends_on"], depends_on(self.cfg, self.number))
+
+    def damage(self, manifest: dict[str, Any]) -> list[str]:
+        """Files of this stage's finished output that no longer match the manifest."""
+        return verify_files(self.dir, manifest.get("files", {}), self.cfg.run.verify)
 
     def require(self, number: int) -> dict[str, Any]:
-        """Return upstream stage `number`'s manifest, or fail naming the script to run."""
+        """Upstream stage `number`'s manifest, checked: complete, made with this config, files
+        intact (checked once per process, by rank 0). Otherwise one line naming the fix."""
         up = self.upstream(number)
         if not up.is_done():
             raise StageError(f"{up.name} is not complete in {self.cfg.run_dir}: run "
-                             f"`python {up.script} {self.cfg.source}` first")
+                             f"`{up.command()}` first")
         manifest = up.manifest()
-        diffs = self._incompatibilities(manifest, number)
-        if diffs:
-            raise StageError(f"{up.name} was made with another config ({diffs[0]}): rerun "
-                             f"`python {up.script} {self.cfg.source} --restart` or fix the config")
+        changes = up.changes(manifest)
+        if changes:
+            fix = up.command() if up.spec.resume_on_change else up.command("--restart")
+            more = f" (and {len(changes) - 1} more)" if len(changes) > 1 else ""
+            raise StageError(f"{up.name} was made with another config ({changes[0]}{more}): "
+                             f"rerun `{fix}`, or fix the config")
+        if number not in self._verified and is_rank0():
+            damaged = up.damage(manifest)
+            if damaged:
+                raise StageError(f"{up.name} is damaged ({len(damaged)} file(s); first: "
+                                 f"{damaged[0]}): run `{up.command('--repair')}` to redo only "
+                                 f"what is damaged")
+            self._verified.add(number)
         return manifest
 
     def upstream_hash(self, number: int) -> str:
         return file_sha256(self.upstream(number).manifest_path)
 
     def check_done(self) -> bool:
-        """True when this stage already finished with a compatible config (nothing to do)."""
+        """True when this stage already finished with this config and its files are intact
+        (nothing to do). A stale output is an error (or, for stages that resume on change,
+        simply not done); a damaged one names --repair."""
         if not self.is_done():
             return False
-        diffs = self._incompatibilities(self.manifest(), self.number)
-        if diffs:
-            raise StageError(f"{self.name} already exists with another config ({diffs[0]}): "
-                             f"add --restart to redo it (the old output is moved aside)")
+        manifest = self.manifest()
+        changes = self.changes(manifest)
+        if changes and self.spec.resume_on_change:
+            return False
+        if changes:
+            more = f" (and {len(changes) - 1} more)" if len(changes) > 1 else ""
+            raise StageError(f"{self.name} already exists with another config ({changes[0]}"
+                             f"{more}): add --restart to redo it (the old output is moved "
+                             f"aside)")
+        damaged = self.damage(manifest)
+        if damaged:
+            raise StageError(f"{self.name} is complete but damaged ({len(damaged)} file(s); "
+                             f"first: {damaged[0]}): rerun with --repair to redo only what is "
+                             f"damaged")
         return True
 
     def restart(self) -> Path | None:
         """Move this stage's output aside (never deleted); return where it went."""
         if not self.dir.exists():
             return None
-        dest = self.dir.with_name(f"{self.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
-        n = 1
-        while dest.exists():
-            dest = dest.with_name(f"{dest.name}-{n}")
-            n += 1
-        os.rename(self.dir, dest)
-        return dest
+        return move_aside(self.dir, "old")
+
+    def forget_manifest(self) -> None:
+        """For --repair: the stage is run again over its output, which keeps what is intact."""
+        if self.manifest_path.is_file():
+            move_aside(self.manifest_path, "repaired")
 
     def write_manifest(self, *, inputs: dict[str, Any], outputs: dict[str, Any],
-                       counts: dict[str, Any], started: float, **extra: Any) -> None:
+                       counts: dict[str, Any], started: float,
+                       files: Optional[dict[str, dict[str, Any]]] = None,
+                       **extra: Any) -> None:
+        """The stage's last write. `files`: records (`file_records`) of what later stages read."""
         manifest = {
             "stage": self.name,
             "config": self.cfg.to_dict(),
             "config_file": self.cfg.source,
+            "depends_on": depends_on(self.cfg, self.number),
             "inputs": inputs,
             "outputs": outputs,
             "counts": counts,
+            "files": files or {},
             "versions": _versions(),
             "timings": {"started": started, "finished": time.time(),
                         "seconds": round(time.time() - started, 2)},
             **extra,
         }
         atomic_write_json(self.manifest_path, manifest)
+
+    # -----------------------------------------------------------------------------------------
+    # Locks
+
+    def _lock_path(self, number: int) -> Path:
+        return self.cfg.run_dir / LOCKS / f"{STAGES[number].dirname}.lock"
+
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[None]:
+        """Hold this stage exclusively and its upstream stages shared for the block.
+
+        Fails at once (never waits) when another process runs this stage, runs a stage that
+        reads this one, or redoes a stage this one reads."""
+        (self.cfg.run_dir / LOCKS).mkdir(parents=True, exist_ok=True)
+        with contextlib.ExitStack() as stack:
+            own = stack.enter_context(open(self._lock_path(self.number), "a+"))
+            try:
+                fcntl.flock(own, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise StageError(self._busy_message()) from None
+            own.seek(0)
+            own.truncate()
+            own.write(f"pid {os.getpid()}, {self.script}, since {time.strftime('%F %T')}\n")
+            own.flush()
+            for n in all_upstream(self.number):
+                f = stack.enter_context(open(self._lock_path(n), "a+"))
+                try:
+                    fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    raise StageError(f"{STAGES[n].dirname} is being (re)done by another process "
+                                     f"({self._holder(n)}): wait for it to finish before "
+                                     f"running {self.script}") from None
+            yield
+
+    def _holder(self, number: int) -> str:
+        path = self._lock_path(number)
+        text = path.read_text().strip() if path.is_file() else ""
+        return text or "unknown process"
+
+    def _busy_message(self) -> str:
+        readers = [STAGES[n].dirname for n in STAGES if self.number in all_upstream(n)
+                   and self._is_locked(n)]
+        if readers:
+            return (f"{self.name} is being read by a running {readers[0]}: wait for it to "
+                    f"finish (or stop it) before redoing {self.name}")
+        return (f"{self.name} is already being run by another process ({self._holder(self.number)}"
+                f"): wait for it or stop it")
+
+    def _is_locked(self, number: int) -> bool:
+        path = self._lock_path(number)
+        if not path.is_file():
+            return False
+        with open(path) as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(f, fcntl.LOCK_UN)
+            return False

@@ -21,27 +21,41 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import Iterable
 
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3.checkpoint import load_base_vocab
+from eagle3 import base_drafter
 from eagle3.config import Config
 from eagle3.formats import vocab_map_problems
-from eagle3.runs import Stage, StageError, atomic_path
+from eagle3.runs import Stage, StageError, atomic_path, file_records
+from eagle3.verifier import load_tokenizer, stop_token_ids
 
 log = logging.getLogger("eagle3")
 
 VOCAB_FILE = "vocab.safetensors"
 
 
-def count_tokens(input_ids: list[np.ndarray], loss_masks: list[np.ndarray],
+def count_tokens(input_ids: Iterable[np.ndarray], loss_masks: Iterable[np.ndarray],
                  vocab_size: int) -> np.ndarray:
     """Counts of each token id over positions with loss_mask == 1 (vectorized per sample)."""
     counts = np.zeros(vocab_size, dtype=np.int64)
     for ids, mask in zip(input_ids, loss_masks):
         counts += np.bincount(np.asarray(ids)[np.asarray(mask) == 1], minlength=vocab_size)
+    return counts
+
+
+def count_dataset(dataset_dir: Path, vocab_size: int, batch: int = 1024) -> np.ndarray:
+    """`count_tokens` over a stage-01 dataset, read `batch` rows at a time (a production
+    dataset's token lists need not fit in memory)."""
+    from datasets import load_from_disk
+
+    ds = load_from_disk(str(dataset_dir)).with_format("numpy")
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for rows in ds.iter(batch_size=batch):
+        counts += count_tokens(rows["input_ids"], rows["loss_mask"], vocab_size)
     return counts
 
 
@@ -79,21 +93,13 @@ def coverage(counts: np.ndarray, t2d: torch.Tensor) -> float:
 
 
 def load_vocab(directory: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    t = load_file(str(directory / VOCAB_FILE))
-    return t["d2t"], t["t2d"]
-
-
-def end_of_turn_ids(verifier_path: Path) -> list[int]:
-    """EOS / end-of-turn ids the draft vocabulary must contain (the drafter must predict them)."""
-    from transformers import AutoTokenizer, GenerationConfig
-    tok = AutoTokenizer.from_pretrained(verifier_path)
-    ids = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    path = directory / VOCAB_FILE
     try:
-        gen_eos = GenerationConfig.from_pretrained(verifier_path).eos_token_id
-    except OSError:  # no generation_config.json
-        gen_eos = None
-    ids += gen_eos if isinstance(gen_eos, list) else ([gen_eos] if gen_eos is not None else [])
-    return list(dict.fromkeys(ids))
+        t = load_file(str(path))
+        return t["d2t"], t["t2d"]
+    except Exception as e:  # safetensors' own error for a truncated file, or a missing key
+        raise StageError(f"{path} is unreadable ({type(e).__name__}): run `python "
+                         f"03_build_vocab_map.py CONFIG --repair`") from None
 
 
 def remap_lm_head(base_lm_head: torch.Tensor, base_d2t: torch.Tensor, new_d2t: torch.Tensor,
@@ -118,36 +124,17 @@ def remap_lm_head(base_lm_head: torch.Tensor, base_d2t: torch.Tensor, new_d2t: t
     return out
 
 
-def uses_base_vocab(cfg: Config) -> bool:
-    """Whether stage 03 copies the base drafter's map (`vocab.from_checkpoint`, null = auto)."""
-    if cfg.vocab.from_checkpoint is None:
-        return bool(cfg.train.finetune_from) and not cfg.vocab.allow_remap
-    return cfg.vocab.from_checkpoint
-
-
 def run_vocab(stage: Stage) -> None:
-    from datasets import load_from_disk
-
+    """Stage 03 entry point (see the module docstring)."""
     cfg = stage.cfg
     stage.require(1)
     started = time.time()
     info = cfg.verifier_info
-    ds = load_from_disk(str(stage.upstream(1).dir / "dataset")).with_format("numpy")
-    counts = count_tokens(ds["input_ids"], ds["loss_mask"], info.vocab_size)
-    eot = end_of_turn_ids(cfg.verifier_path)
+    counts = count_dataset(stage.upstream(1).dir / "dataset", info.vocab_size)
+    eot = stop_token_ids(load_tokenizer(cfg), cfg)
     base = cfg.train.finetune_from
-    if uses_base_vocab(cfg):
-        if not base:
-            raise StageError("vocab.from_checkpoint=true needs train.finetune_from (the base "
-                             "drafter whose map is copied)")
-        d2t, t2d = load_base_vocab(base)
-        if t2d.numel() != info.vocab_size:
-            raise StageError(f"base drafter {base} has a map over {t2d.numel()} target ids, "
-                             f"the verifier has {info.vocab_size}: not a drafter of this "
-                             f"verifier")
-        bad = vocab_map_problems(d2t, t2d, d2t.numel(), info.vocab_size)
-        if bad:
-            raise StageError(f"base drafter {base}: {'; '.join(bad)}")
+    if cfg.copies_base_vocab:
+        d2t, t2d = _base_map(cfg)
         mode = "from_checkpoint"
     else:
         d2t, t2d = build_vocab_map(counts, cfg.vocab.draft_vocab_size, eot)
@@ -171,4 +158,22 @@ def run_vocab(stage: Stage) -> None:
                 "supervised_tokens": int(counts.sum()), "distinct_supervised_tokens": seen,
                 "coverage": round(cov, 6), "end_of_turn_ids": eot,
                 "end_of_turn_missing": eot_missing},
+        files=file_records(stage.dir, [stage.dir / VOCAB_FILE]),
         started=started, vocab_source={"mode": mode, "base_drafter": base})
+
+
+def _base_map(cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
+    """The base drafter's (d2t, t2d), checked to be a valid map over this verifier."""
+    base = cfg.train.finetune_from
+    if not base:
+        raise StageError("vocab.from_checkpoint=true needs train.finetune_from (the base "
+                         "drafter whose map is copied)")
+    d2t, t2d = base_drafter.load_vocab(base)
+    vocab = cfg.verifier_info.vocab_size
+    if t2d.numel() != vocab:
+        raise StageError(f"base drafter {base} has a map over {t2d.numel()} target ids, the "
+                         f"verifier has {vocab}: not a drafter of this verifier")
+    bad = vocab_map_problems(d2t, t2d, d2t.numel(), vocab)
+    if bad:
+        raise StageError(f"base drafter {base}: {'; '.join(bad)}")
+    return d2t, t2d

@@ -17,8 +17,10 @@ from pathlib import Path
 
 import pytest
 
+import dataclasses
+
 from eagle3 import bench, engines
-from eagle3.config import BenchConfig
+from eagle3.config import ServerConfig
 from eagle3.runs import StageError
 
 _M = 'engine="0",model_name="/root/.cache/eagle3/verifiers/SmolLM2-135M-Instruct"'
@@ -145,7 +147,11 @@ port = int(args[args.index("--port") + 1])
 spec = (json.loads(args[args.index("--speculative-config") + 1])
         if "--speculative-config" in args else None)
 if os.environ.get("FAKE_DIE"):
-    print("boom: fake engine refuses to start", flush=True)
+    # As vLLM does: the real error, a traceback, then a wrapper line at the end.
+    print("INFO starting engine core", flush=True)
+    print("Traceback (most recent call last):", flush=True)
+    print("ValueError: boom: fake engine refuses to start", flush=True)
+    print("RuntimeError: Engine core initialization failed. See root cause above.", flush=True)
     sys.exit(3)
 print("fake engine env", os.environ.get("FAKE_MARK"), "spec", spec, flush=True)
 counts = {"drafts": 0, "pos": [0] * (spec["num_speculative_tokens"] if spec else 0)}
@@ -206,23 +212,45 @@ def fake_python(tmp_path) -> str:
     return str(exe)
 
 
-def test_vllm_command_shape():
-    cmd = engines.vllm_command("py", "/v", 8000, 1024, ["--enforce-eager"], "/d", 3)
+def test_server_command_shape(tmp_path, tiny_verifier):
+    from conftest import make_config
+    cfg = make_config(tmp_path, tiny_verifier, verifier={"trust_remote_code": True})
+    server = cfg.bench.server
+    cmd = engines.server_command("vllm", cfg, dataclasses.replace(
+        server, python="py", extra_args=["--enforce-eager"]), "/v", 8000, 1024,
+        bench.vllm_speculative_args(Path("/d"), 3))
     assert cmd[:12] == ["py", "-m", "vllm.entrypoints.openai.api_server", "--model", "/v",
                         "--host", "127.0.0.1", "--port", "8000", "--max-model-len", "1024",
                         "--enforce-eager"]
     assert cmd[12] == "--speculative-config"
     assert json.loads(cmd[13]) == {"method": "eagle3", "model": "/d",
                                    "num_speculative_tokens": 3}
-    assert "--speculative-config" not in engines.vllm_command("py", "/v", 1, 2, [])
+    assert cmd[14:] == ["--trust-remote-code"]
+    sglang = engines.server_command("sglang", cfg, server, "/v", 8000, 1024, [])
+    assert sglang[1:4] == ["-m", "sglang.launch_server", "--model-path"]
+    assert sglang[sglang.index("--context-length") + 1] == "1024"
 
 
-def test_server_starts_serves_and_stops(tmp_path, fake_python):
-    cfg = BenchConfig(python=fake_python, env={"FAKE_MARK": "hello"}, startup_timeout_s=30)
+def test_every_engine_gets_the_pipeline_chat_template(tmp_path, tiny_verifier):
+    """Stage 06 (like 01 and 02) starts engines with the template the masks were made with."""
+    from conftest import make_config
+    (tmp_path / "t.jinja").write_text("{{ messages }}")
+    cfg = make_config(tmp_path, tiny_verifier,
+                      verifier={"chat_template": str(tmp_path / "t.jinja")})
+    for engine in ("vllm", "sglang"):
+        cmd = engines.server_command(engine, cfg, cfg.bench.server, "/v", 1, 2, [])
+        assert cmd[cmd.index("--chat-template") + 1] == str(tmp_path / "t.jinja")
+
+
+def test_server_starts_serves_and_stops(tmp_path, tiny_verifier, fake_python):
+    from conftest import make_config
+    cfg = make_config(tmp_path, tiny_verifier)
+    settings = ServerConfig(python=fake_python, env={"FAKE_MARK": "hello"},
+                            startup_timeout_s=30)
     log = tmp_path / "logs" / "s.log"
-    with engines.vllm_server(cfg, Path("/v"), log, draft_dir=Path("/d"),
-                             num_speculative_tokens=2) as server:
-        assert engines.http_get(server.url("/health")) == ""
+    with engines.start_server("vllm", cfg, settings, "bench.server", log, max_model_len=64,
+                              args=bench.vllm_speculative_args(Path("/d"), 2)) as server:
+        assert engines.http_get(server.url("/health"), settings) == ""
         pid = server.proc.pid
     assert server.proc.poll() is not None
     with pytest.raises(ProcessLookupError):
@@ -230,21 +258,43 @@ def test_server_starts_serves_and_stops(tmp_path, fake_python):
     assert "fake engine env hello" in log.read_text()
 
 
-def test_server_that_dies_reports_log_tail(tmp_path, fake_python):
-    cfg = BenchConfig(python=fake_python, env={"FAKE_DIE": "1"}, startup_timeout_s=30)
-    with pytest.raises(StageError, match="boom: fake engine refuses"):
-        with engines.vllm_server(cfg, Path("/v"), tmp_path / "d.log"):
+def test_server_that_dies_reports_the_root_cause(tmp_path, tiny_verifier, fake_python):
+    """The error quotes the first real error of the log, not the wrapper line after it."""
+    from conftest import make_config
+    cfg = make_config(tmp_path, tiny_verifier)
+    settings = ServerConfig(python=fake_python, env={"FAKE_DIE": "1"}, startup_timeout_s=30)
+    with pytest.raises(StageError) as e:
+        with engines.start_server("vllm", cfg, settings, "bench.server", tmp_path / "d.log",
+                                  max_model_len=64):
             pass
+    assert "root cause: ValueError: boom: fake engine refuses to start" in str(e.value)
+    assert "See root cause above" not in str(e.value)
+
+
+def test_root_cause_names_the_known_fix(tmp_path):
+    log = tmp_path / "e.log"
+    log.write_text(
+        "=== old start\nValueError: stale\n\n=== 2026-12-01 start\nINFO ok\n"
+        "ERROR 12-01 18:00:01 [core.py:708] EngineCore failed to start.\n"
+        "ERROR 12-01 18:00:01 [core.py:708] Traceback (most recent call last):\n"
+        "ERROR 12-01 18:00:01 [core.py:708]   File \"x.py\", line 3, in f\n"
+        "ERROR 12-01 18:00:01 [core.py:708] ValueError: Model does not support EAGLE3 interface "
+        "but aux_hidden_state_outputs was requested\n"
+        "RuntimeError: Engine core initialization failed. See root cause above.\n")
+    cause = engines.root_cause(log)
+    assert cause.startswith("ValueError: Model does not support EAGLE3 interface")
+    assert "--model-impl transformers" in cause
 
 
 def _bench_stage(tmp_path, tiny_verifier, fake_python, **bench_cfg):
     from conftest import make_config
     from eagle3.runs import Stage
 
+    server = {"python": fake_python, "startup_timeout_s": 30.0,
+              "env": bench_cfg.pop("env", {})}
     cfg = make_config(tmp_path, tiny_verifier,
-                      bench={"python": fake_python, "num_prompts": 6, "max_tokens": 8,
-                             "concurrency": 3, "num_speculative_tokens": [2, 3],
-                             "startup_timeout_s": 30.0, **bench_cfg})
+                      bench={"num_prompts": 6, "max_tokens": 8, "server": server,
+                             "concurrency": 3, "num_speculative_tokens": [2, 3], **bench_cfg})
     s5 = Stage(cfg, 5)
     (s5.dir / "vllm").mkdir(parents=True)
     (s5.dir / "vllm" / "config.json").write_text("{}")

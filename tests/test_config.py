@@ -88,10 +88,10 @@ def test_aux_ids_outside_layer_range_fail(tmp_path, ids):
 def test_overrides_are_typed(tmp_path):
     p = write(tmp_path, base(tmp_path))
     cfg = load_config(p, ["train.lr=3e-4", "train.epochs=2", "verifier.aux_layer_ids=[1,4,9]",
-                          "bench.extra_args=[--enforce-eager]", "train.finetune_from=/x/y"])
+                          "bench.server.extra_args=[--enforce-eager]", "train.finetune_from=/x/y"])
     assert cfg.train.lr == 3e-4 and cfg.train.epochs == 2
     assert cfg.verifier.aux_layer_ids == [1, 4, 9]
-    assert cfg.bench.extra_args == ["--enforce-eager"]
+    assert cfg.bench.server.extra_args == ["--enforce-eager"]
     assert cfg.train.finetune_from == "/x/y"
     with pytest.raises(ConfigError, match="did you mean `train.epochs`"):
         load_config(p, ["train.epoch=2"])

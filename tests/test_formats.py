@@ -2,7 +2,7 @@
 
     .venv/bin/pytest tests/test_formats.py -q
 
-Every silent-failure mode of REFERENCE.md section 6 that lives in the exported files must make
+Every silent-failure mode of docs/engines.md that lives in the exported files must make
 `validate_export` raise: each test corrupts one thing in a valid export and expects the
 problem to be named.
 """
@@ -42,11 +42,15 @@ def make_state(draft: DraftModelConfig = DRAFT) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.trainable_state_dict().items()}
 
 
-def export(tmp_path: Path, fmt: str, state=None, draft=DRAFT, aux=_AUX, **kw) -> Path:
+CTX = formats.ExportContext("/verifiers/tiny", "LlamaForCausalLM")
+
+
+def export(tmp_path: Path, fmt: str, state=None, draft=DRAFT, aux=_AUX, ctx=CTX,
+           dtype=None) -> Path:
     out = tmp_path / fmt
     out.mkdir()
-    write_export(out, fmt, make_state(draft) if state is None else state, draft, aux,
-                 "/verifiers/tiny", "LlamaForCausalLM", **kw)
+    write_export(out, fmt, make_state(draft) if state is None else state, draft, aux, ctx,
+                 dtype)
     return out
 
 
@@ -62,9 +66,9 @@ def rewrite(out: Path, edit_tensors=None, edit_config=None) -> None:
         (out / "config.json").write_text(json.dumps(cfg))
 
 
-def problems_of(out: Path, fmt: str, **kw) -> str:
+def problems_of(out: Path, fmt: str, ctx=CTX) -> str:
     with pytest.raises(ExportValidationError) as e:
-        validate_export(out, fmt, DRAFT, _AUX, **kw)
+        validate_export(out, fmt, DRAFT, _AUX, ctx)
     return "\n".join(e.value.problems)
 
 
@@ -75,7 +79,7 @@ def problems_of(out: Path, fmt: str, **kw) -> str:
 @pytest.mark.parametrize("fmt", formats.FORMATS)
 def test_each_format_exports_and_validates(tmp_path, fmt):
     out = export(tmp_path, fmt)
-    summary = validate_export(out, fmt, DRAFT, _AUX)
+    summary = validate_export(out, fmt, DRAFT, _AUX, CTX)
     keys = set(load_file(str(out / "model.safetensors")))
     cfg = json.loads((out / "config.json").read_text())
     assert "d2t" in keys and "t2d" in keys and "lm_head.weight" in keys
@@ -85,7 +89,10 @@ def test_each_format_exports_and_validates(tmp_path, fmt):
         assert all(not k.startswith("layers.") for k in keys)
         assert "midlayer.self_attn.q_proj.weight" in keys
         assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
-        assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == _AUX
+        # Written minus one: captures HF hidden_states[2,4,6] on SGLang before and after
+        # PR #25454 (docs/engines.md).
+        assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]
+        assert summary["aux_ids_valid_for"] == ["sglang pre-25454", "sglang post-25454"]
         assert "eagle_aux_hidden_state_layer_ids" not in cfg
     else:
         assert "layers.0.self_attn.q_proj.weight" in keys
@@ -98,29 +105,29 @@ def test_each_format_exports_and_validates(tmp_path, fmt):
     if fmt == "speculators":
         assert cfg["speculators_config"]["verifier"]["name_or_path"] == "/verifiers/tiny"
         assert cfg["transformer_layer_config"]["vocab_size"] == _VOCAB
-    assert summary["aux_layer_ids_written"] == _AUX  # post-25454 SGLang: as-is too
+    assert summary["aux_layer_ids_internal"] == _AUX
 
 
 def test_key_maps_round_trip():
     state = make_state()
-    sglang = formats.to_sglang_keys(state)
+    sglang = formats.to_layout(state, "sglang")
     assert formats.detect_layout(sglang) == "sglang"
     assert formats.detect_layout(state) == "speculators"
-    back = formats.to_speculators_keys(sglang)
+    back = formats.to_layout(sglang, "speculators")
     assert set(back) == set(state)
     assert all(torch.equal(back[k], state[k]) for k in state)
-    assert formats.SGLANG_TO_SPECULATORS == {"midlayer.": "layers.0."}
+    assert formats.LAYER0_PREFIX == {"speculators": "layers.0.", "sglang": "midlayer."}
 
 
 def test_compile_prefix_is_stripped_on_export(tmp_path):
     compiled = {f"_orig_mod.{k}": v for k, v in make_state().items()}
     assert set(formats.strip_compile_prefix(compiled)) == set(make_state())
     out = export(tmp_path, "vllm", state=compiled)
-    validate_export(out, "vllm", DRAFT, _AUX)
+    validate_export(out, "vllm", DRAFT, _AUX, CTX)
 
 
 def test_sglang_export_of_sglang_layout_checkpoint(tmp_path):
-    out = export(tmp_path, "vllm", state=formats.to_sglang_keys(make_state()))
+    out = export(tmp_path, "vllm", state=formats.to_layout(make_state(), "sglang"))
     assert "layers.0.mlp.up_proj.weight" in load_file(str(out / "model.safetensors"))
 
 
@@ -133,20 +140,31 @@ def test_sglang_refuses_multi_layer_drafter(tmp_path):
 
 
 def test_sglang_aux_conventions():
-    assert formats.sglang_aux_ids([2, 15, 27], "post-25454") == [2, 15, 27]
-    assert formats.sglang_aux_ids([2, 15, 27], "pre-25454") == [1, 14, 26]
-    with pytest.raises(FormatError, match="start with 1"):
-        formats.sglang_aux_ids([1, 15, 27], "post-25454")
+    both = ["pre-25454", "post-25454"]
+    # Kimi's [2,30,58] and any set starting at 2: one config valid on every SGLang.
+    assert formats.sglang_written([2, 30, 58], "auto") == ([1, 29, 57], both)
+    assert formats.sglang_written([2, 15, 27], "post-25454") == ([2, 15, 27], ["post-25454"])
+    assert formats.sglang_written([2, 15, 27], "pre-25454") == ([1, 14, 26], both)
+    # No robust choice: auto takes current SGLang's rule and says so.
+    assert formats.sglang_written([3, 15, 27], "auto") == ([3, 15, 27], ["post-25454"])
+    with pytest.raises(FormatError, match="no post-25454 SGLang config"):
+        formats.sglang_written([1, 15, 27], "auto")
+    assert formats.sglang_written([1, 15, 27], "pre-25454") == ([0, 14, 26], ["pre-25454"])
+    # The reading direction inverts the writing one on every version an id set is valid for.
+    for ids, rule in (([2, 30, 58], "auto"), ([3, 15, 27], "auto"), ([1, 15, 27], "pre-25454")):
+        written, valid = formats.sglang_written(ids, rule)
+        assert all(formats.sglang_captured(written, v) == ids for v in valid)
 
 
-def test_pre_25454_export_writes_ids_minus_one(tmp_path):
-    out = export(tmp_path, "sglang", sglang_convention="pre-25454")
+def test_post_25454_export_writes_ids_as_is(tmp_path):
+    post = dataclasses.replace(CTX, sglang_rule="post-25454")
+    out = export(tmp_path, "sglang", ctx=post)
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]
-    summary = validate_export(out, "sglang", DRAFT, _AUX, sglang_convention="pre-25454")
-    assert summary["aux_layer_ids_internal"] == _AUX
-    # the same directory read as a post-25454 export has the wrong ids
-    assert "expected [2, 4, 6]" in problems_of(out, "sglang")
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 6]
+    summary = validate_export(out, "sglang", DRAFT, _AUX, post)
+    assert summary["aux_ids_valid_for"] == ["sglang post-25454"]
+    # the same directory read with the robust rule has other ids than expected
+    assert "expected [1, 3, 5]" in problems_of(out, "sglang")
 
 
 def test_export_dtype_casts_floats_only(tmp_path):
@@ -201,7 +219,7 @@ def test_rejects_model_prefix(tmp_path):
     out = export(tmp_path, "vllm")
     rewrite(out, edit_tensors=lambda t: t.update({"model.norm.weight": t.pop("norm.weight")}))
     msg = problems_of(out, "vllm")
-    assert "starts with `model.`" in msg and "missing key `norm.weight`" in msg
+    assert "starts with `model.`" in msg and "missing tensor `norm.weight`" in msg
 
 
 def test_rejects_misshaped_tensor(tmp_path):
@@ -213,13 +231,13 @@ def test_rejects_misshaped_tensor(tmp_path):
 def test_rejects_unexpected_key(tmp_path):
     out = export(tmp_path, "vllm")
     rewrite(out, edit_tensors=lambda t: t.update({"input_norm.weight": torch.ones(96)}))
-    assert "unexpected key `input_norm.weight`" in problems_of(out, "vllm")
+    assert "unexpected tensor `input_norm.weight`" in problems_of(out, "vllm")
 
 
 def test_rejects_missing_key(tmp_path):
     out = export(tmp_path, "sglang")
     rewrite(out, edit_tensors=lambda t: t.pop("midlayer.hidden_norm.weight"))
-    assert "missing key `midlayer.hidden_norm.weight`" in problems_of(out, "sglang")
+    assert "missing tensor `midlayer.hidden_norm.weight`" in problems_of(out, "sglang")
 
 
 @pytest.mark.parametrize("fmt", formats.FORMATS)
@@ -248,7 +266,7 @@ def test_lists_every_problem_at_once(tmp_path):
     rewrite(out, edit_tensors=lambda t: [t.pop("d2t"), t.pop("lm_head.weight")],
             edit_config=lambda c: c.pop("norm_before_residual"))
     with pytest.raises(ExportValidationError) as e:
-        validate_export(out, "sglang", DRAFT, _AUX)
+        validate_export(out, "sglang", DRAFT, _AUX, CTX)
     assert len(e.value.problems) == 3
     assert "3 problem(s)" in str(e.value)
 
@@ -263,8 +281,10 @@ def _with_aux(cfg):
                                                                  aux_layer_ids=[2, 3, 4]))
 
 
-def _fake_train_run(tmp_path, tiny_verifier) -> "object":
+def _fake_train_run(tmp_path, tiny_verifier, state=None) -> "object":
+    """A finished stage 04 holding one checkpoint written by the real saver."""
     from conftest import make_config
+    from eagle3 import checkpoint
     from eagle3.runs import Stage
 
     cfg = _with_aux(make_config(tmp_path, tiny_verifier, export={"formats": ["vllm", "sglang"]}))
@@ -274,15 +294,13 @@ def _fake_train_run(tmp_path, tiny_verifier) -> "object":
                                 "vocab_size": info.vocab_size, "num_attention_heads": 4,
                                 "num_key_value_heads": 2, "head_dim": info.hidden_size // 4})
     s4 = Stage(cfg, 4)
-    ckpt = s4.dir / "step-2"
-    ckpt.mkdir(parents=True)
-    save_file(make_state(draft), str(ckpt / "model.safetensors"))
+    s4.dir.mkdir(parents=True)
     aux = list(info.aux_layer_ids)
-    (ckpt / "config.json").write_text(json.dumps(formats.speculators_config(
-        draft, aux, str(cfg.verifier_path), info.architecture)))
-    (ckpt / "draft_config.json").write_text(json.dumps(draft.to_dict() | {"aux_layer_ids": aux}))
-    (s4.dir / "best").write_text("step-2\n")
-    (s4.dir / "latest").write_text("step-2\n")
+    spec = formats.speculators_config(draft, aux, formats.ExportContext(
+        str(cfg.verifier_path), info.architecture))
+    path = checkpoint.save(s4.dir, 2, make_state(draft) if state is None else state(draft),
+                           draft, aux, spec, {"world_size": 1})
+    checkpoint.set_best(s4.dir, path)
     s4.write_manifest(inputs={}, outputs={}, counts={}, started=time.time())
     return cfg
 
@@ -297,7 +315,7 @@ def test_run_export_writes_validates_and_resumes(tmp_path, tiny_verifier):
     run_export(stage)
     report = json.loads((stage.dir / "report.json").read_text())
     assert set(report["formats"]) == {"vllm", "sglang"}
-    assert report["formats"]["sglang"]["aux_layer_ids_written"] == [2, 3, 4]
+    assert report["formats"]["sglang"]["aux_layer_ids_written"] == [1, 2, 3]  # robust rule
     assert report["formats"]["vllm"]["checks_passed"]
     assert stage.is_done()
     assert (Stage(cfg, 4).dir / "step-2" / "model.safetensors").read_bytes() == ckpt_bytes
@@ -322,3 +340,23 @@ def test_run_export_requires_training(tmp_path, tiny_verifier):
     cfg = _with_aux(make_config(tmp_path, tiny_verifier))
     with pytest.raises(StageError, match="04_train.py"):
         run_export(Stage(cfg, 5))
+
+
+def test_rejects_non_finite_weights(tmp_path):
+    out = export(tmp_path, "vllm")
+    rewrite(out, edit_tensors=lambda t: t["fc.weight"].view(-1).__setitem__(3, float("nan")))
+    assert "`fc.weight` has NaN or infinite values" in problems_of(out, "vllm")
+
+
+def test_run_export_refuses_non_finite_checkpoint(tmp_path, tiny_verifier):
+    from eagle3.export import run_export
+    from eagle3.runs import Stage, StageError
+
+    def nan_state(draft):
+        state = make_state(draft)
+        state["lm_head.weight"][0, 0] = float("inf")
+        return state
+    cfg = _fake_train_run(tmp_path, tiny_verifier, state=nan_state)
+    with pytest.raises(StageError, match="lm_head.weight` has NaN or infinite values"):
+        run_export(Stage(cfg, 5))
+    assert not (Stage(cfg, 5).dir / "vllm").exists()

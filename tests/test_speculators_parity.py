@@ -50,7 +50,8 @@ from speculators.proposals.greedy import GreedyTokenProposalConfig
 from transformers import LlamaConfig
 
 from eagle3.model import DraftModelConfig, Eagle3DraftModel
-from eagle3.train import collate, make_teacher, ttt_forward
+from eagle3.shards import collate  # noqa: E402
+from eagle3.ttt import make_teacher, ttt_forward
 
 _V, _VD, _H = 160, 48, 32
 _TTT, _DECAY = 4, 0.8

@@ -14,7 +14,11 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, make_config
-from eagle3.checkpoint import find_latest, read_pointer
+from eagle3.checkpoint import read_pointer, step_dirs
+
+
+def find_latest(train_dir: Path) -> Path:
+    return step_dirs(train_dir)[-1][1]
 from eagle3.runs import Stage
 
 STAGE_SCRIPTS = ["01_generate_data.py", "02_extract_hidden_states.py", "03_build_vocab_map.py"]
@@ -31,7 +35,7 @@ def prepared(tmp_path_factory, tiny_verifier):
     """Stages 01-03 on the tiny verifier, shared by the tests of this module."""
     tmp = tmp_path_factory.mktemp("train")
     cfg = make_config(tmp, tiny_verifier,
-                      data={"num_samples": 12, "max_user_turns": 1},
+                      data={"num_samples": 12, "max_user_turns": 1, "max_seq_len": 96},
                       train={"epochs": 6, "batch_tokens": 96, "checkpoint_every": 2,
                              "keep": 2, "ttt_steps": 3})
     for script in STAGE_SCRIPTS:

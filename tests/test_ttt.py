@@ -7,9 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from eagle3.model import DraftModelConfig, Eagle3DraftModel, apply_rope, rope_cos_sin
-from eagle3.hidden_states import pack
-from eagle3.train import (StepStats, collate, make_teacher, teacher_rows, training_targets,
-                          ttt_forward)
+from eagle3.shards import collate, pack
+from eagle3.ttt import StepStats, make_teacher, teacher_rows, training_targets, ttt_forward
 
 V, VD, H, HT, NAUX = 96, 40, 32, 24, 3
 

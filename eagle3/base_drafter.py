@@ -1,0 +1,385 @@
+"""Base drafters for `--finetune-from` (and any drafter directory stage 05 converts): read a
+published EAGLE-3 drafter in any layout we know into our internal names, and check it against
+the drafter we would build.
+
+Layouts: SGLang/EAGLE/SpecForge/AQ-MedAI (`midlayer.*`, flat `LlamaForCausalLMEagle3` config,
+aux ids in `eagle_config`), speculators (`layers.N.*`, nested `transformer_layer_config`,
+top-level aux ids) and vLLM-style (flat config, `layers.N.*`); weights in model.safetensors, a
+sharded model.safetensors.index.json, or a pytorch_model.bin read with `weights_only`.
+Prefixes that are only packaging (torch.compile's `_orig_mod.`, a wrapper's `model.`) are
+stripped. `check_base` lists every missing, unexpected or mis-shaped tensor, a foreign
+embedding and a different vocabulary map in one error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pickle
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from safetensors import safe_open
+
+from eagle3.formats import (COMPILE_PREFIX, FORMATS, FormatError, detect_layout,
+                            expected_tensors, rename_key, strip_compile_prefix,
+                            tensor_problems, to_layout, vocab_map_problems)
+from eagle3.model import DraftModelConfig
+from eagle3.runs import StageError
+
+
+class BaseDrafterError(StageError):
+    """A base drafter that cannot be fine-tuned as is; `problems` lists every issue found."""
+
+    def __init__(self, path: Path, problems: list[str]):
+        self.path = path
+        self.problems = problems
+        lines = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"base drafter {path} is unusable ({len(problems)} problem(s)):\n"
+                         f"{lines}")
+
+
+@dataclass
+class BaseDrafter:
+    """A pretrained drafter as read from disk: weights under our names plus its shape facts.
+
+    `weights` holds everything but the vocabulary maps and the embedding (`fc.weight`,
+    `layers.N.*`, `norm.weight`, `lm_head.weight`, and anything unexpected, kept so that
+    `check_base` can name it). Shape facts come from its config.json; where that is silent they
+    are read off the tensors.
+    """
+    path: Path
+    layout: str
+    """`sglang` (midlayer.*, flat LlamaForCausalLMEagle3 config), `speculators` (nested
+    transformer_layer_config) or `vllm` (flat config, layers.N.* keys)."""
+    weights: dict[str, torch.Tensor]
+    d2t: Optional[torch.Tensor]
+    t2d: Optional[torch.Tensor]
+    embed: Optional[torch.Tensor]
+    """`embed_tokens.weight` when the base ships one (it must equal the verifier's)."""
+    shape: DraftModelConfig
+    """Our model config with exactly the base's shape and numerics."""
+    aux_layer_ids: Optional[list[int]]
+    """As written in the base's config, in its engine's convention (see `aux_ids_internal`)."""
+    unsupported_flags: list[str] = field(default_factory=list)
+    """EAGLE-3.1 / speculators options set in the config that our model does not have."""
+
+    def aux_ids_internal(self, engine_version: str = "post-25454") -> Optional[list[int]]:
+        """The aux ids as HF `output_hidden_states` indices, as the engine of the base's own
+        layout captures them (SGLang's depend on its version; docs/engines.md)."""
+        if self.aux_layer_ids is None:
+            return None
+        fmt = FORMATS["sglang" if self.layout == "sglang" else "vllm"]
+        return fmt.internal_aux_ids(self.aux_layer_ids, engine_version)
+
+
+_WEIGHT_CANDIDATES = ("model.safetensors.index.json", "model.safetensors",
+                      "pytorch_model.bin.index.json", "pytorch_model.bin")
+
+
+def _read_weights(path: Path, only: Optional[set[str]] = None) -> dict[str, torch.Tensor]:
+    """All tensors (or those named in `only`) of a single-file or sharded checkpoint."""
+    found = next((path / n for n in _WEIGHT_CANDIDATES if (path / n).is_file()), None)
+    if found is None:
+        raise BaseDrafterError(path, [f"no weights: expected one of "
+                                      f"{', '.join(_WEIGHT_CANDIDATES)}"])
+    if found.name.endswith(".index.json"):
+        try:
+            weight_map = json.loads(found.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError):
+            raise BaseDrafterError(path, [f"{found.name} is not a valid index (no "
+                                          f"weight_map)"]) from None
+        files: dict[Path, list[str]] = {}
+        for key, name in weight_map.items():
+            if only is None or _plain(key) in only:
+                files.setdefault(path / name, []).append(key)
+    else:
+        files = {found: []}
+    out: dict[str, torch.Tensor] = {}
+    for file, keys in files.items():
+        if not file.is_file():
+            raise BaseDrafterError(path, [f"shard {file.name} named in the index is missing"])
+        out.update(_read_file(path, file, keys, only))
+    return out
+
+
+def _plain(key: str) -> str:
+    return key.removeprefix(COMPILE_PREFIX).removeprefix("model.")
+
+
+def _read_file(path: Path, file: Path, keys: list[str],
+               only: Optional[set[str]]) -> dict[str, torch.Tensor]:
+    wanted = lambda k: only is None or _plain(k) in only  # noqa: E731
+    try:
+        if file.suffix == ".safetensors":
+            with safe_open(str(file), "pt") as f:
+                return {k: f.get_tensor(k) for k in keys or f.keys() if wanted(k)}
+        # A pickled state dict: weights_only refuses anything but tensors and containers.
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        reason = str(e).strip().splitlines()[-1] if str(e).strip() else "non-tensor objects"
+        raise BaseDrafterError(path, [
+            f"{file.name} holds more than tensors and was refused (weights_only loading: "
+            f"{reason[:160]}); convert it to safetensors from a trusted source"]) from None
+    except Exception as e:  # safetensors/torch raise their own types for a damaged file
+        raise BaseDrafterError(path, [f"{file.name} is unreadable ({type(e).__name__}: "
+                                      f"{str(e)[:160]}): truncated or damaged"]) from None
+    if not isinstance(state, dict):
+        raise BaseDrafterError(path, [f"{file.name} is not a state dict"])
+    return {k: v for k, v in state.items() if wanted(k)}
+
+
+def normalize_keys(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop packaging prefixes: torch.compile's `_orig_mod.` and a wrapper's `model.` (when
+    every key but `lm_head` carries it, as some trainers save)."""
+    tensors = strip_compile_prefix(tensors)
+    body = [k for k in tensors if not k.startswith("lm_head")]
+    if body and all(k.startswith("model.") for k in body):
+        tensors = {k.removeprefix("model."): v for k, v in tensors.items()}
+    return tensors
+
+
+def _has_nested_config(cfg: dict[str, Any]) -> bool:
+    return isinstance(cfg.get("transformer_layer_config"), dict) or "speculators_model_type" in cfg
+
+
+def _rope_theta(layer: dict[str, Any]) -> Optional[float]:
+    params = layer.get("rope_parameters") or {}
+    theta = layer.get("rope_theta", params.get("rope_theta"))
+    return None if theta is None else float(theta)
+
+
+def _unsupported(cfg: dict[str, Any], layer: dict[str, Any]) -> list[str]:
+    """Options of the base our model does not implement (its weights would compute otherwise)."""
+    out = [f"`{flag}` is true (EAGLE-3.1/speculators option our drafter does not have; a "
+           f"speculators base must be trained with {flag}=false)"
+           for flag in ("norm_before_fc", "fc_norm", "norm_output") if cfg.get(flag)]
+    act = layer.get("hidden_act", "silu")
+    if act != "silu":
+        out.append(f"`hidden_act` is {act!r}; our drafter's MLP is SiLU-gated")
+    for flag in ("attention_bias", "mlp_bias"):
+        if layer.get(flag):
+            out.append(f"`{flag}` is true; our drafter has no biases")
+    scaling = layer.get("rope_scaling") or layer.get("rope_parameters") or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in ("default", None):
+        out.append(f"rope scaling {kind!r}; our drafter uses plain RoPE")
+    return out
+
+
+def load(path: str | Path) -> BaseDrafter:
+    """Read a pretrained EAGLE-3 drafter directory in any of the layouts we know.
+
+    SGLang/EAGLE (`midlayer.*`, flat `LlamaForCausalLMEagle3` config, aux ids in
+    `eagle_config`), speculators (`layers.N.*`, nested `transformer_layer_config`, top-level
+    aux ids; `norm_before_residual` defaults to true there, as in speculators and vLLM) and
+    vLLM-style (flat config, `layers.N.*`); weights in model.safetensors, a sharded
+    model.safetensors.index.json, or pytorch_model.bin. Keys are mapped to our names through
+    `eagle3.formats` and torch.compile's `_orig_mod.` is stripped. Nothing is checked against
+    our config here: that is `check_base`.
+    """
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise BaseDrafterError(path, ["not a directory (give the drafter's checkpoint folder)"])
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise BaseDrafterError(path, ["config.json missing (the draft shape cannot be known)"])
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (OSError, ValueError) as e:
+        raise BaseDrafterError(path, [f"config.json is not valid JSON ({e})"]) from None
+    tensors = normalize_keys(_read_weights(path))
+    try:
+        key_layout = detect_layout(k for k in tensors if k not in ("d2t", "t2d"))
+    except FormatError as e:
+        raise BaseDrafterError(path, [str(e)]) from None
+    weights = to_layout(tensors, "speculators")
+    d2t, t2d = weights.pop("d2t", None), weights.pop("t2d", None)
+    embed = weights.pop("embed_tokens.weight", None)
+
+    nested = _has_nested_config(cfg)
+    layout = "speculators" if nested else ("sglang" if key_layout == "sglang" else "vllm")
+    layer = cfg["transformer_layer_config"] if nested else cfg
+    eagle = cfg.get("eagle_config") or {}
+    aux = cfg.get("eagle_aux_hidden_state_layer_ids")
+    if aux is None or layout == "sglang":  # SGLang reads only eagle_config
+        aux = eagle.get("eagle_aux_hidden_state_layer_ids", aux)
+
+    missing = [k for k in ("hidden_size", "num_attention_heads") if k not in layer]
+    if missing:
+        where = "transformer_layer_config" if nested else "config.json"
+        raise BaseDrafterError(path, [f"{where} lacks {', '.join(missing)}"])
+    shape = _shape(cfg, layer, weights, d2t, t2d, embed, aux)
+    return BaseDrafter(
+        path=path, layout=layout, weights=weights, d2t=d2t, t2d=t2d, embed=embed, shape=shape,
+        aux_layer_ids=None if aux is None else [int(i) for i in aux],
+        unsupported_flags=_unsupported(cfg, layer))
+
+
+def _shape(cfg: dict[str, Any], layer: dict[str, Any], weights: dict[str, torch.Tensor],
+           d2t: Optional[torch.Tensor], t2d: Optional[torch.Tensor],
+           embed: Optional[torch.Tensor], aux: Optional[list[int]]) -> DraftModelConfig:
+    """The base's shape and numerics: from its config, else read off its tensors."""
+    nested = _has_nested_config(cfg)
+    hidden, heads = int(layer["hidden_size"]), int(layer["num_attention_heads"])
+    layer_ids = {int(k.split(".")[1]) for k in weights if k.startswith("layers.")}
+    gate = weights.get("layers.0.mlp.gate_proj.weight")
+    q_proj = weights.get("layers.0.self_attn.q_proj.weight")  # head_dim when config omits it
+    lm_head = weights.get("lm_head.weight")
+    draft_vocab = cfg.get("draft_vocab_size")
+    if draft_vocab is None:
+        draft_vocab = len(d2t) if d2t is not None else (
+            lm_head.shape[0] if lm_head is not None else layer.get("vocab_size"))
+    vocab = layer.get("vocab_size")
+    if vocab is None:
+        vocab = len(t2d) if t2d is not None else (embed.shape[0] if embed is not None else 0)
+    theta = _rope_theta(layer)
+    target_hidden = int(cfg.get("target_hidden_size") or layer.get("target_hidden_size")
+                        or hidden)
+    fc = weights.get("fc.weight")
+    num_aux = (fc.shape[1] // target_hidden if fc is not None and fc.dim() == 2
+               else len(aux) if aux else 3)
+    return DraftModelConfig(
+        hidden_size=hidden, target_hidden_size=target_hidden, num_aux=num_aux,
+        intermediate_size=int(layer.get("intermediate_size",
+                                        gate.shape[0] if gate is not None else 0)),
+        num_attention_heads=heads,
+        num_key_value_heads=int(layer.get("num_key_value_heads") or heads),
+        head_dim=int(layer.get("head_dim") or (q_proj.shape[0] // heads if q_proj is not None
+                                                 else hidden // heads)),
+        num_layers=int(layer.get("num_hidden_layers", max(layer_ids, default=0) + 1)),
+        rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta if theta is not None else 10000.0,  # transformers' Llama default
+        max_position_embeddings=int(layer.get("max_position_embeddings", 2048)),
+        vocab_size=int(vocab), draft_vocab_size=int(draft_vocab or 0),
+        # speculators (and vLLM reading a speculators config) default to true when absent;
+        # SGLang/EAGLE have only the false variant.
+        norm_before_residual=bool(cfg.get("norm_before_residual", nested)))
+
+
+def load_vocab(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """Only the (d2t, t2d) of a base drafter, read without loading its other weights."""
+    path = Path(path).expanduser()
+    tensors = _read_weights(path, only={"d2t", "t2d"})
+    missing = [k for k in ("d2t", "t2d") if k not in tensors]
+    if missing:
+        raise BaseDrafterError(path, [f"`{k}` missing: the base's vocabulary map is unknown"
+                                      for k in missing])
+    return tensors["d2t"], tensors["t2d"]
+
+
+def finetune_draft_config(draft_cfg: DraftModelConfig, base: BaseDrafter,
+                          intermediate_size: Optional[int] = None) -> DraftModelConfig:
+    """Our draft config for fine-tuning `base`: what we derive from the verifier, the base decides.
+
+    Taken from the base (its weights were trained with them, and for a fresh drafter they are
+    only verifier-derived defaults): attention geometry (heads, KV heads, head_dim), MLP width
+    unless the user set `draft.intermediate_size` (pass it as `intermediate_size`), RMSNorm
+    eps, RoPE theta and context length. Kept from `draft_cfg` and compared by `check_base`:
+    hidden sizes, aux count and vocabulary (fixed by the verifier and 03_vocab), num_layers and
+    norm_before_residual (the user's draft section).
+    """
+    b = base.shape
+    return dataclasses.replace(
+        draft_cfg, num_attention_heads=b.num_attention_heads,
+        num_key_value_heads=b.num_key_value_heads, head_dim=b.head_dim,
+        intermediate_size=intermediate_size or b.intermediate_size,
+        rms_norm_eps=b.rms_norm_eps, rope_theta=b.rope_theta,
+        max_position_embeddings=max(draft_cfg.max_position_embeddings,
+                                    b.max_position_embeddings))
+
+
+def _file_key(base: BaseDrafter, key: str) -> str:
+    """`key` as the base's file spells it, for messages."""
+    return rename_key(key, "speculators", "sglang") if base.layout == "sglang" else key
+
+
+def check_base(base: BaseDrafter, draft_cfg: DraftModelConfig, verifier_embed: torch.Tensor,
+               d2t: Optional[torch.Tensor] = None, t2d: Optional[torch.Tensor] = None,
+               allow_remap: bool = False) -> None:
+    """Raise one BaseDrafterError naming every way `base` disagrees with our drafter.
+
+    Checks the config facts that no tensor shape shows (heads, head_dim, norm placement,
+    eps, RoPE theta), every tensor's presence, shape and dtype against `draft_cfg`, the base's
+    own d2t/t2d (offsets onto the ids t2d marks), its `embed_tokens` (if shipped) against the
+    verifier's, and its vocabulary map against ours (`d2t`/`t2d` from 03_vocab) unless
+    `allow_remap`, in which case its lm_head/d2t may have another draft size.
+    """
+    problems = [f"config: {u}" for u in base.unsupported_flags]
+    facts = ["hidden_size", "target_hidden_size", "num_aux", "intermediate_size",
+             "num_attention_heads", "num_key_value_heads", "head_dim", "num_layers",
+             "vocab_size"] + ([] if allow_remap else ["draft_vocab_size"])
+    for name in facts:
+        want, got = getattr(draft_cfg, name), getattr(base.shape, name)
+        if want != got:
+            problems.append(f"config: base has {name}={got}, our drafter {name}={want}")
+    if base.shape.norm_before_residual != draft_cfg.norm_before_residual:
+        problems.append(f"config: base was trained with norm_before_residual="
+                        f"{base.shape.norm_before_residual}, our drafter has "
+                        f"{draft_cfg.norm_before_residual}: set draft.norm_before_residual="
+                        f"{str(base.shape.norm_before_residual).lower()}")
+    for name in ("rms_norm_eps", "rope_theta"):
+        if float(getattr(base.shape, name)) != float(getattr(draft_cfg, name)):
+            problems.append(f"config: base has {name}={getattr(base.shape, name)}, our drafter "
+                            f"{getattr(draft_cfg, name)} (build it with "
+                            f"finetune_draft_config)")
+
+    shape_cfg = draft_cfg
+    if allow_remap and base.shape.draft_vocab_size > 0:
+        shape_cfg = dataclasses.replace(draft_cfg, draft_vocab_size=base.shape.draft_vocab_size)
+    expected = expected_tensors(shape_cfg, "speculators")
+    present = dict(base.weights)
+    for name, t in (("d2t", base.d2t), ("t2d", base.t2d)):
+        if t is not None:
+            present[name] = t
+    problems += [p.replace(", expected [", ", our drafter expects [")
+                 for p in tensor_problems(expected, present, lambda k: _file_key(base, k))]
+    if (base.d2t is not None and base.t2d is not None and base.d2t.dtype == torch.int64
+            and base.t2d.dtype == torch.bool and base.t2d.numel() == base.shape.vocab_size):
+        problems += [f"base {p}" for p in vocab_map_problems(
+            base.d2t, base.t2d, base.d2t.numel(), base.shape.vocab_size)]
+
+    if base.embed is not None:
+        if tuple(base.embed.shape) != tuple(verifier_embed.shape):
+            problems.append(f"`embed_tokens.weight` has shape {list(base.embed.shape)}, the "
+                            f"verifier's embedding {list(verifier_embed.shape)}")
+        elif not torch.equal(verifier_embed.to(base.embed.dtype), base.embed):
+            diff = float((verifier_embed.float() - base.embed.float()).abs().max())
+            problems.append(f"`embed_tokens.weight` differs from the verifier's embedding (max "
+                            f"abs diff {diff:.3g}): the base was trained for another verifier")
+
+    if d2t is not None and t2d is not None and not allow_remap and base.d2t is not None \
+            and base.t2d is not None:
+        same = (base.d2t.shape == d2t.shape and base.t2d.shape == t2d.shape
+                and torch.equal(base.d2t, d2t.to(base.d2t.dtype))
+                and torch.equal(base.t2d, t2d.to(base.t2d.dtype)))
+        if not same:
+            ours = set((torch.arange(len(d2t)) + d2t).tolist())
+            theirs = set((torch.arange(len(base.d2t)) + base.d2t).tolist())
+            problems.append(
+                f"vocabulary map differs from 03_vocab's ({len(theirs - ours)} of the base's "
+                f"{len(theirs)} draft tokens are not in ours): its lm_head rows would score "
+                f"the wrong tokens. Rerun 03_build_vocab_map.py with vocab.from_checkpoint=true "
+                f"(the default when fine-tuning), or set vocab.allow_remap=true to move lm_head "
+                f"rows by token")
+    if problems:
+        raise BaseDrafterError(base.path, problems)
+
+
+def base_state_dict(base: BaseDrafter, verifier_embed: torch.Tensor,
+                    d2t: Optional[torch.Tensor] = None, t2d: Optional[torch.Tensor] = None,
+                    lm_head: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
+    """State dict for `Eagle3DraftModel.load_state_dict` (strict) from a checked base.
+
+    The embedding is always the verifier's (equal to the base's when it ships one). `d2t`,
+    `t2d` and `lm_head` replace the base's after a remap (`eagle3.vocab.remap_lm_head`).
+    """
+    state = dict(base.weights)
+    state["embed_tokens.weight"] = verifier_embed
+    state["d2t"] = d2t if d2t is not None else base.d2t
+    state["t2d"] = t2d if t2d is not None else base.t2d
+    if lm_head is not None:
+        state["lm_head.weight"] = lm_head
+    return state

@@ -1,0 +1,170 @@
+"""Everything read from the verifier's directory besides config.json: its tokenizer (with the
+chat template the whole pipeline renders with), the token ids that end a turn, and single
+weight tensors (embedding, lm_head, final norm), read one at a time so that a 1T-parameter
+checkpoint is never loaded whole.
+
+    tok = load_tokenizer(cfg)                      # every stage, trust_remote_code honoured
+    eot = stop_token_ids(tok, cfg)                 # computed once per tokenizer
+    embed = read_tensor(cfg.verifier_path, "embed")
+
+Failures (no tokenizer, an unreadable or truncated weight file, a tensor that is not there)
+are StageErrors of one line naming the file and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from eagle3.config import Config, expand_path
+from eagle3.runs import StageError
+
+# End-of-turn tokens of common templates. With the tokenizer's EOS and the generation config's
+# EOS ids they are the ids that close an assistant turn (those the tokenizer knows as tokens).
+END_OF_TURN_NAMES = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>",
+                     "<|endoftext|>", "<|end_of_text|>", "</s>", "<|im_assistant_end|>",
+                     "<｜end▁of▁sentence｜>")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer and chat template
+
+
+def load_tokenizer(cfg: Config, padding_side: str = "right") -> Any:
+    """The verifier's tokenizer (fast or slow, remote code when `verifier.trust_remote_code`),
+    with `verifier.chat_template` applied when set. Every stage loads it through here."""
+    from transformers import AutoTokenizer
+
+    path = cfg.verifier_path
+    try:
+        tok = AutoTokenizer.from_pretrained(path, padding_side=padding_side,
+                                            trust_remote_code=cfg.verifier.trust_remote_code)
+    except Exception as e:  # missing files, remote code refused, a corrupt file: many types
+        hint = ("; the tokenizer is custom code: set verifier.trust_remote_code=true"
+                if "trust_remote_code" in str(e) else "")
+        raise StageError(f"verifier tokenizer in {path} cannot be loaded ({_first_line(e)})"
+                         f"{hint}; check verifier.path") from None
+    if cfg.verifier.chat_template:
+        template = Path(expand_path(cfg.verifier.chat_template))
+        if not template.is_file():
+            raise StageError(f"verifier.chat_template: {template} does not exist; fix the path "
+                             f"or set it to null")
+        tok.chat_template = template.read_text()
+    if not tok.chat_template:
+        raise StageError(f"verifier {path} has no chat template: set verifier.chat_template to "
+                         f"a Jinja file")
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token  # padding is always masked out; any id works
+    return tok
+
+
+def chat_template_path(cfg: Config) -> Path | None:
+    """The template file engines must be started with, so they render as training did."""
+    return Path(expand_path(cfg.verifier.chat_template)) if cfg.verifier.chat_template else None
+
+
+def stop_token_ids(tokenizer: Any, cfg: Optional[Config] = None) -> list[int]:
+    """Token ids that end an assistant turn: `verifier.stop_token_ids`, else the tokenizer's
+    EOS, the generation config's EOS ids and the known end-of-turn tokens the vocabulary has.
+    The one definition used by generation, loss masks, the draft vocabulary and the bench
+    (`cfg` None: the tokenizer alone, for tests). Computed once per tokenizer (a 262k
+    vocabulary takes 0.3 s to list)."""
+    cached = getattr(tokenizer, "_eagle3_stop_ids", None)
+    if cached is not None:
+        return list(cached)
+    if cfg is not None and cfg.verifier.stop_token_ids is not None:
+        ids = list(cfg.verifier.stop_token_ids)
+    else:
+        ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        if cfg is not None:
+            ids += generation_eos_ids(cfg.verifier_path)
+        vocab = tokenizer.get_vocab()
+        ids += [vocab[name] for name in END_OF_TURN_NAMES if name in vocab]
+    ids = list(dict.fromkeys(int(i) for i in ids))
+    tokenizer._eagle3_stop_ids = tuple(ids)
+    return ids
+
+
+def generation_eos_ids(verifier_path: Path) -> list[int]:
+    """`eos_token_id` of generation_config.json (an int or a list), [] when absent."""
+    path = verifier_path / "generation_config.json"
+    if not path.is_file():
+        return []
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    except (OSError, ValueError):
+        raise StageError(f"{path} is not valid JSON: restore or delete it") from None
+    return [eos] if isinstance(eos, int) else [int(i) for i in eos or []]
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights, one tensor at a time
+
+# Name candidates: plain causal LMs, and multimodal wrappers whose text model sits under
+# `language_model` (Kimi-K2.5).
+TENSOR_NAMES = {
+    "embed": ["model.embed_tokens.weight", "language_model.model.embed_tokens.weight",
+              "model.language_model.embed_tokens.weight"],
+    "lm_head": ["lm_head.weight", "language_model.lm_head.weight"],
+    "norm": ["model.norm.weight", "language_model.model.norm.weight",
+             "model.language_model.norm.weight"],
+}
+
+
+def weight_files(verifier: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file, for single-file and sharded checkpoints."""
+    index = verifier / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError):
+            raise StageError(f"{index} is not a valid safetensors index (no weight_map): "
+                             f"restore the verifier's files") from None
+        return {k: verifier / v for k, v in weight_map.items()}
+    single = verifier / "model.safetensors"
+    if not single.is_file():
+        bins = sorted(p.name for p in verifier.glob("*.bin"))
+        hint = (f" (it has {bins[0]}: save the model with safetensors)" if bins else
+                " (download the weights, or fix verifier.path)")
+        raise StageError(f"verifier {verifier} has no model.safetensors or "
+                         f"model.safetensors.index.json{hint}")
+    return {k: single for k in _safetensors_keys(single)}
+
+
+def _safetensors_keys(path: Path) -> list[str]:
+    from safetensors import safe_open
+    try:
+        with safe_open(str(path), "pt") as f:
+            return list(f.keys())
+    except Exception as e:  # safetensors raises its own error type for a bad header
+        raise StageError(f"verifier weights {path} are unreadable ({_first_line(e)}): the file "
+                         f"is truncated or damaged; restore it") from None
+
+
+def read_tensor(verifier: Path, what: str) -> torch.Tensor:
+    """The verifier's `embed`, `lm_head` (tied heads fall back to the embedding) or final
+    `norm` weight, reading only that tensor from disk."""
+    from safetensors import safe_open
+
+    files = weight_files(verifier)
+    names = TENSOR_NAMES[what] + (TENSOR_NAMES["embed"] if what == "lm_head" else [])
+    for name in names:
+        if name in files:
+            if not files[name].is_file():
+                raise StageError(f"verifier shard {files[name]} (named in the index) is missing")
+            try:
+                with safe_open(str(files[name]), "pt") as f:
+                    return f.get_tensor(name)
+            except Exception as e:  # a truncated file fails here, not at open
+                raise StageError(f"verifier weights {files[name]} are unreadable "
+                                 f"({_first_line(e)}): truncated or damaged; restore them") \
+                    from None
+    raise StageError(f"verifier {verifier} has no {what} tensor (looked for {', '.join(names)})")
