@@ -1,15 +1,28 @@
 #!/usr/bin/env bash
 # Run the six stages in order: bash run_pipeline.sh CONFIG [FROM_STAGE] [section.key=value ...]
 # Each stage skips itself when already complete, so rerunning after a crash continues the run.
+# CONFIG may be given relative to the directory you run this from.
 set -euo pipefail
-cd "$(dirname "$0")"
+usage="usage: bash run_pipeline.sh CONFIG [FROM_STAGE 1-6] [section.key=value ...]"
 if [ $# -lt 1 ]; then
-  echo "usage: bash run_pipeline.sh CONFIG [FROM_STAGE] [section.key=value ...]" >&2
+  echo "$usage" >&2
   exit 2
 fi
 config=$1; shift
+if [ ! -f "$config" ]; then
+  echo "error: config file not found: $config ($usage)" >&2
+  exit 2
+fi
+config=$(cd "$(dirname "$config")" && pwd)/$(basename "$config")
 from=1
-if [ $# -gt 0 ] && [[ $1 =~ ^[1-6]$ ]]; then from=$1; shift; fi
+if [ $# -gt 0 ] && [[ $1 != *=* ]] && [[ $1 != --* ]]; then
+  if [[ ! $1 =~ ^[1-6]$ ]]; then
+    echo "error: FROM_STAGE must be a stage number 1-6, got '$1' ($usage)" >&2
+    exit 2
+  fi
+  from=$1; shift
+fi
+cd "$(dirname "$0")"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 py=python
 [ -x .venv/bin/python ] && py=.venv/bin/python

@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3 import hidden_states as hs  # noqa: E402
+from eagle3 import shards  # noqa: E402
 from eagle3.config import default_aux_layer_ids  # noqa: E402
 from eagle3.verifiers import SMOLLM2_DEST  # noqa: E402
 
@@ -123,21 +124,21 @@ def main() -> None:
     per_dtype = {}
     hidden = full.config.hidden_size
     with tempfile.TemporaryDirectory() as tmp:
-        for dtype in hs.STORAGE:
+        for dtype in shards.STORAGE:
             out_dir = Path(tmp) / dtype
             out_dir.mkdir()
             data = 0
             for k, s in enumerate(range(0, len(samples), args.shard_samples)):
                 chunk = samples[s:s + args.shard_samples]
-                states = [hs.encode(a.float(), f.float(), dtype, len(aux_ids))
+                states = [shards.encode(a.float(), f.float(), dtype, len(aux_ids))
                           for a, f in got[s:s + len(chunk)]]
-                entry = hs.write_shard(out_dir, k, [str(i) for i in range(len(chunk))], chunk,
+                entry = shards.write_shard(out_dir, k, [str(i) for i in range(len(chunk))], chunk,
                                        [[1] * len(x) for x in chunk], states, {})
-                header = hs.read_shard_header(out_dir / entry["file"])
+                header = shards.read_shard_header(out_dir / entry["file"])
                 data += sum(v["data_offsets"][1] - v["data_offsets"][0]
                             for name, v in header.items()
                             if name not in ("__metadata__", "offsets"))
-            formula = hs.bytes_per_token(len(aux_ids), hidden, dtype)
+            formula = shards.bytes_per_token(len(aux_ids), hidden, dtype)
             per_dtype[dtype] = {"formula_bytes_per_token": formula,
                                 "measured_bytes_per_token": data / tokens,
                                 "exact": data == formula * tokens}

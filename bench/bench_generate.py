@@ -64,10 +64,12 @@ def main() -> None:
     variants = {
         "hf-batched": {"engine": "hf", "batch_size": args.batch_size, "chunk_size": 64},
         "hf-single": {"engine": "hf", "batch_size": 1, "chunk_size": 64},
-        "vllm": {"engine": "vllm", "concurrency": args.concurrency, "max_model_len": 1024,
-                 "extra_args": ["--enforce-eager", "--dtype", "bfloat16"],
-                 "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"},
-                 "startup_timeout_s": 600.0},
+        "vllm": {"engine": "vllm", "concurrency": args.concurrency,
+                 "server": {"max_model_len": 1024,
+                            "extra_args": ["--enforce-eager", "--dtype", "bfloat16"],
+                            "env": {"VLLM_CPU_KVCACHE_SPACE": "1",
+                                    "VLLM_CPU_OMP_THREADS_BIND": "nobind"},
+                            "startup_timeout_s": 600.0}},
     }
     if importlib.util.find_spec("vllm") is None:
         args.skip.append("vllm")

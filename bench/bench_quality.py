@@ -29,13 +29,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eagle3 import checkpoint as ckpt  # noqa: E402
 from eagle3.bench import load_mtbench_prompts  # noqa: E402
 from eagle3.config import load_config  # noqa: E402
-from eagle3.data import load_tokenizer, tokenize_conversation  # noqa: E402
-from eagle3.export import load_checkpoint, resolve_checkpoint  # noqa: E402
-from eagle3.hidden_states import (Capture, capture_samples, dequantize_fp8,  # noqa: E402
-                                  encode, load_text_decoder, pack)
+from eagle3.data import tokenize_conversation  # noqa: E402
+from eagle3.hidden_states import Capture, capture_samples, load_text_decoder  # noqa: E402
 from eagle3.model import Eagle3DraftModel  # noqa: E402
 from eagle3.runs import Stage  # noqa: E402
-from eagle3.train import StepStats, collate, make_teacher, teacher_rows, ttt_forward  # noqa: E402
+from eagle3.shards import dequantize_fp8, encode, pack  # noqa: E402
+from eagle3.ttt import StepStats, prepare_batch, ttt_forward  # noqa: E402
+from eagle3.verifier import load_tokenizer, read_tensor, stop_token_ids  # noqa: E402
 
 
 def as_stored(aux: torch.Tensor, final: torch.Tensor, dtype: str,
@@ -55,11 +55,13 @@ def served_samples(cfg, k: int) -> tuple[list[dict[str, list[int]]], dict]:
     result = json.loads(result_path.read_text())
     max_tokens = result["settings"]["max_tokens"]
     tok = load_tokenizer(cfg)
+    stop_ids = set(stop_token_ids(tok, cfg))
     samples = []
     for p in load_mtbench_prompts(result["num_requests"]):
         answer = result["outputs"][str(p["question_id"])]
         ids, mask = tokenize_conversation(tok, [{"role": "user", "content": p["prompt"]},
-                                                {"role": "assistant", "content": answer}])
+                                                {"role": "assistant", "content": answer}],
+                                          stop_ids)
         # An answer cut at max_tokens never produced the end-of-turn the template appends.
         seen = 0
         for i, m in enumerate(mask):
@@ -93,21 +95,21 @@ def main() -> None:
         docs.append({"input_ids": torch.tensor(s["input_ids"]),
                      "loss_mask": torch.tensor(s["loss_mask"]), "aux": aux, "final": final})
 
-    which = resolve_checkpoint(Stage(cfg, 4).dir, cfg.export.checkpoint)
-    draft, ckpt_aux, tensors = load_checkpoint(which)
-    if ckpt_aux != aux_ids:
-        sys.exit(f"{which} was trained on aux ids {ckpt_aux}, the config says {aux_ids}")
-    model = Eagle3DraftModel(draft).eval()
-    embed = ckpt.read_verifier_tensor(cfg.verifier_path, "embed")
-    model.load_state_dict({**tensors, "embed_tokens.weight": embed})
-    lm_head = ckpt.read_verifier_tensor(cfg.verifier_path, "lm_head").float()
+    c = ckpt.load(ckpt.resolve(Stage(cfg, 4).dir, cfg.export.checkpoint))
+    which = c.path
+    if c.aux_layer_ids != aux_ids:
+        sys.exit(f"{which} was trained on aux ids {c.aux_layer_ids}, the config says {aux_ids}")
+    model = Eagle3DraftModel(c.draft).eval()
+    embed = read_tensor(cfg.verifier_path, "embed")
+    model.load_state_dict({**c.weights, "embed_tokens.weight": embed})
+    lm_head = read_tensor(cfg.verifier_path, "lm_head").float()
     draft_ids = torch.arange(len(model.d2t)) + model.d2t
 
     stats = StepStats.zeros(args.k)
     lengths = [len(d["input_ids"]) for d in docs]
     for group in pack(lengths, list(range(len(docs))), args.batch_tokens):
-        batch = collate([docs[i] for i in group], args.batch_tokens)
-        teacher = make_teacher(batch.final, lm_head, draft_ids, teacher_rows(batch))
+        batch, teacher = prepare_batch([docs[i] for i in group], args.batch_tokens,
+                                       torch.device("cpu"), torch.float32, lm_head, draft_ids)
         stats.add(ttt_forward(model, batch, teacher, args.k, 0.8)[1])
     est = stats.metrics()
     engine = result["mean_acceptance_length"]

@@ -22,12 +22,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eagle3 import checkpoint as ckpt  # noqa: E402
 from eagle3.config import load_config  # noqa: E402
-from eagle3.hidden_states import HiddenStates  # noqa: E402
 from eagle3.runs import Stage  # noqa: E402
-from eagle3.train import (build_model, collate, epoch_batches, make_teacher,  # noqa: E402
-                          teacher_rows, ttt_forward)
+from eagle3.shards import HiddenStates, collate  # noqa: E402
+from eagle3.train import build_model, epoch_batches  # noqa: E402
+from eagle3.ttt import make_teacher, teacher_rows, ttt_forward  # noqa: E402
+from eagle3.verifier import read_tensor  # noqa: E402
 from eagle3.vocab import load_vocab  # noqa: E402
 
 
@@ -40,7 +40,7 @@ def main() -> None:
     tc = cfg.train
     data = HiddenStates(Stage(cfg, 2).dir)
     d2t, t2d = load_vocab(Stage(cfg, 3).dir)
-    lm_head = ckpt.read_verifier_tensor(cfg.verifier_path, "lm_head").float()
+    lm_head = read_tensor(cfg.verifier_path, "lm_head").float()
     draft_ids = torch.arange(len(d2t)) + d2t
     model = build_model(cfg, d2t, t2d, lm_head)
     lengths = [data.num_tokens(i) for i in range(len(data))]

@@ -28,7 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3.model import DraftModelConfig, Eagle3DraftModel  # noqa: E402
-from eagle3.train import collate, make_teacher, ttt_forward  # noqa: E402
+from eagle3.shards import collate  # noqa: E402
+from eagle3.ttt import make_teacher, ttt_forward  # noqa: E402
 
 VOCAB, HIDDEN = 49152, 576
 

@@ -66,13 +66,15 @@ class BaseDrafter:
     unsupported_flags: list[str] = field(default_factory=list)
     """EAGLE-3.1 / speculators options set in the config that our model does not have."""
 
-    def aux_ids_internal(self, engine_version: str = "post-25454") -> Optional[list[int]]:
+    def aux_ids_internal(self, target_arch: str,
+                         engine_version: str = "post-25454") -> Optional[list[int]]:
         """The aux ids as HF `output_hidden_states` indices, as the engine of the base's own
-        layout captures them (SGLang's depend on its version; docs/engines.md)."""
+        layout captures them from a `target_arch` verifier (SGLang's depend on the target model
+        and on the SGLang version; docs/engines.md)."""
         if self.aux_layer_ids is None:
             return None
         fmt = FORMATS["sglang" if self.layout == "sglang" else "vllm"]
-        return fmt.internal_aux_ids(self.aux_layer_ids, engine_version)
+        return fmt.internal_aux_ids(self.aux_layer_ids, target_arch, engine_version)
 
 
 _WEIGHT_CANDIDATES = ("model.safetensors.index.json", "model.safetensors",
@@ -296,17 +298,9 @@ def _file_key(base: BaseDrafter, key: str) -> str:
     return rename_key(key, "speculators", "sglang") if base.layout == "sglang" else key
 
 
-def check_base(base: BaseDrafter, draft_cfg: DraftModelConfig, verifier_embed: torch.Tensor,
-               d2t: Optional[torch.Tensor] = None, t2d: Optional[torch.Tensor] = None,
-               allow_remap: bool = False) -> None:
-    """Raise one BaseDrafterError naming every way `base` disagrees with our drafter.
-
-    Checks the config facts that no tensor shape shows (heads, head_dim, norm placement,
-    eps, RoPE theta), every tensor's presence, shape and dtype against `draft_cfg`, the base's
-    own d2t/t2d (offsets onto the ids t2d marks), its `embed_tokens` (if shipped) against the
-    verifier's, and its vocabulary map against ours (`d2t`/`t2d` from 03_vocab) unless
-    `allow_remap`, in which case its lm_head/d2t may have another draft size.
-    """
+def _config_problems(base: BaseDrafter, draft_cfg: DraftModelConfig,
+                     allow_remap: bool) -> list[str]:
+    """The config facts no tensor shape shows: heads, head_dim, norm placement, eps, theta."""
     problems = [f"config: {u}" for u in base.unsupported_flags]
     facts = ["hidden_size", "target_hidden_size", "num_aux", "intermediate_size",
              "num_attention_heads", "num_key_value_heads", "head_dim", "num_layers",
@@ -326,6 +320,21 @@ def check_base(base: BaseDrafter, draft_cfg: DraftModelConfig, verifier_embed: t
                             f"{getattr(draft_cfg, name)} (build it with "
                             f"finetune_draft_config)")
 
+    return problems
+
+
+def check_base(base: BaseDrafter, draft_cfg: DraftModelConfig, verifier_embed: torch.Tensor,
+               d2t: Optional[torch.Tensor] = None, t2d: Optional[torch.Tensor] = None,
+               allow_remap: bool = False) -> None:
+    """Raise one BaseDrafterError naming every way `base` disagrees with our drafter.
+
+    Checks the config facts that no tensor shape shows (heads, head_dim, norm placement,
+    eps, RoPE theta), every tensor's presence, shape and dtype against `draft_cfg`, the base's
+    own d2t/t2d (offsets onto the ids t2d marks), its `embed_tokens` (if shipped) against the
+    verifier's, and its vocabulary map against ours (`d2t`/`t2d` from 03_vocab) unless
+    `allow_remap`, in which case its lm_head/d2t may have another draft size.
+    """
+    problems = _config_problems(base, draft_cfg, allow_remap)
     shape_cfg = draft_cfg
     if allow_remap and base.shape.draft_vocab_size > 0:
         shape_cfg = dataclasses.replace(draft_cfg, draft_vocab_size=base.shape.draft_vocab_size)

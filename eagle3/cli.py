@@ -27,6 +27,7 @@ from typing import Callable, Optional
 from eagle3 import dist
 from eagle3.config import ConfigError, load_config
 from eagle3.runs import Stage, StageError, is_rank0
+from eagle3.verifier import check_weights
 
 log = logging.getLogger("eagle3")
 
@@ -67,6 +68,7 @@ def _prepare(stage: Stage, args: argparse.Namespace,
     """Rank 0, under the stage's locks: check what the stage reads, then move or forget the old
     output as asked. Returns True when the stage is already complete."""
     stage.cfg.verifier_info  # the verifier's config.json must be readable for every stage
+    check_weights(stage.cfg.verifier_path)
     for n in stage.spec.upstream:
         stage.require(n)
     if preflight is not None:
@@ -81,10 +83,8 @@ def _prepare(stage: Stage, args: argparse.Namespace,
     return stage.check_done()
 
 
-def _run(number: int, run: Callable[[Stage], None], args: argparse.Namespace,
-         overrides: list[str], preflight: Optional[Callable[[Stage], None]]) -> Stage:
-    cfg = load_config(args.config, overrides)
-    stage = Stage(cfg, number)
+def _run(stage: Stage, run: Callable[[Stage], None], args: argparse.Namespace,
+         preflight: Optional[Callable[[Stage], None]]) -> None:
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:
         dist.init()
@@ -96,12 +96,12 @@ def _run(number: int, run: Callable[[Stage], None], args: argparse.Namespace,
         if done:
             log.info("%s is already complete in %s; nothing to do (--restart redoes it)",
                      stage.name, stage.dir)
-            return stage
-        log.info("%s: run %s, verifier %s", stage.name, cfg.run_dir, cfg.verifier.path)
+            return
+        log.info("%s: run %s, verifier %s", stage.name, stage.cfg.run_dir,
+                 stage.cfg.verifier.path)
         started = time.time()
         run(stage)
         log.info("%s done in %.1f s -> %s", stage.name, time.time() - started, stage.dir)
-    return stage
 
 
 class _no_lock:
@@ -113,7 +113,7 @@ class _no_lock:
 
 
 def _disk_full_message(path: Optional[Path], stage: Optional[Stage]) -> str:
-    where = path or (stage.cfg.run_dir if stage else Path("."))
+    where = path or (stage.dir if stage else Path("."))
     probe = where
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
@@ -135,7 +135,8 @@ def stage_main(number: int, run: Callable[[Stage], None], description: str,
     setup_logging()
     stage: Optional[Stage] = None
     try:
-        stage = _run(number, run, args, overrides, preflight)
+        stage = Stage(load_config(args.config, overrides), number)
+        _run(stage, run, args, preflight)
         return 0
     except (ConfigError, StageError) as e:
         if args.debug:

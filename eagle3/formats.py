@@ -178,39 +178,45 @@ def vocab_map_problems(d2t: torch.Tensor, t2d: torch.Tensor, draft_vocab: int,
 # ---------------------------------------------------------------------------------------------
 # SGLang's aux-id conventions (docs/engines.md, "Aux-layer ids")
 
+# Targets whose SGLang model (deepseek_v2.py, glm4_moe_lite.py in 0.5.23) adds +1 to the config
+# ids only when the first id is 1 (PR #25454); every other SGLang target model (llama.py,
+# qwen2.py, qwen3.py, gemma3_causal.py, ...) and every target before #25454 adds +1 always.
+SGLANG_FIRST_IS_ONE_TARGETS = frozenset({
+    "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM",
+    "KimiK25ForConditionalGeneration", "GlmMoeDsaForCausalLM", "Glm4MoeLiteForCausalLM"})
 
-def sglang_captured(written: list[int], version: str) -> list[int]:
-    """HF `output_hidden_states` indices that SGLang `version` captures for config ids."""
-    if version == "pre-25454" or (written and written[0] == 1):
-        return [i + 1 for i in written]
-    return list(written)
+
+def sglang_captured(written: list[int], target_arch: str, version: str) -> list[int]:
+    """HF `output_hidden_states` indices SGLang `version` captures from a `target_arch`
+    verifier for config ids `written` (id i = the input of decoder layer i)."""
+    first_is_one = target_arch in SGLANG_FIRST_IS_ONE_TARGETS and version == "post-25454"
+    if first_is_one and not (written and written[0] == 1):
+        return list(written)
+    return [i + 1 for i in written]
 
 
-def sglang_written(internal: list[int], rule: SglangRule) -> tuple[list[int], list[str]]:
+def sglang_written(internal: list[int], rule: SglangRule,
+                   target_arch: str) -> tuple[list[int], list[str]]:
     """(ids to write, SGLang versions on which they capture `internal`) under `rule`.
 
-    `auto` takes ids valid on every version when they exist: internal first id 2 is written
-    minus one (e.g. [2,30,58] as [1,29,57]: old SGLang always adds +1, new SGLang adds +1
-    because the first id is 1); otherwise the post-#25454 rule. A version rule writes that
-    version's ids."""
-    candidates = {"post-25454": list(internal), "pre-25454": [i - 1 for i in internal]}
-
+    The candidates are the ids as they are and minus one. `auto` takes the one valid on the
+    most SGLang versions, then the one valid on current SGLang: ids minus one for every target
+    that adds +1 (Llama, Qwen, ...), and for DeepSeek/Kimi targets when the first id is 2 (e.g.
+    [2,30,58] as [1,29,57]: old SGLang always adds +1, new SGLang because the first id is 1).
+    A version rule writes what that version needs."""
     def valid(written: list[int]) -> list[str]:
-        return [v for v in SGLANG_VERSIONS
-                if min(written) >= 0 and sglang_captured(written, v) == list(internal)]
+        return [v for v in SGLANG_VERSIONS if min(written) >= 0
+                and sglang_captured(written, target_arch, v) == list(internal)]
 
-    if rule == "auto":
-        robust = candidates["pre-25454"]
-        if valid(robust) == list(SGLANG_VERSIONS):
-            return robust, list(SGLANG_VERSIONS)
-        rule = "post-25454"
-    written = candidates[rule]
-    if rule not in valid(written):
+    needed = "post-25454" if rule == "auto" else rule  # auto must serve on current SGLang
+    options = [(w, valid(w)) for w in ([i - 1 for i in internal], list(internal))
+               if needed in valid(w)]
+    if not options:
         raise FormatError(
-            f"no {rule} SGLang config captures aux ids {list(internal)} (post-#25454 SGLang "
-            f"shifts ids that start at 1): capture from layer >= 2, or set "
+            f"no {rule} SGLang config captures aux ids {list(internal)} of a {target_arch} "
+            f"verifier (SGLang shifts ids that start at 1): capture from layer >= 2, or set "
             f"export.sglang_aux_ids=pre-25454 for an older SGLang")
-    return written, valid(written)
+    return max(options, key=lambda o: (len(o[1]), "post-25454" in o[1]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -336,8 +342,10 @@ class EngineFormat:
         """Engine versions on which the written ids capture exactly `internal`."""
         return ["all"]
 
-    def internal_aux_ids(self, written: list[int], engine_version: str = "") -> list[int]:
-        """What the engine captures for `written` ids (HF indices); inverse of the above."""
+    def internal_aux_ids(self, written: list[int], target_arch: str = "",
+                         engine_version: str = "") -> list[int]:
+        """What the engine captures from a `target_arch` verifier for `written` ids (HF
+        indices); the inverse of `written_aux_ids`."""
         return list(written)
 
     def aux_ids_in(self, cfg: dict[str, Any]) -> tuple[Optional[list[int]], str]:
@@ -394,20 +402,21 @@ class VllmFormat(EngineFormat):
 @dataclass(frozen=True)
 class SglangFormat(EngineFormat):
     """SGLang's `LlamaForCausalLMEagle3` (`midlayer.*`; SGLang >= 0.5.23 also maps it to
-    `layers.0.*`, older SGLang knows only `midlayer`). Aux ids only in `eagle_config`, in the
-    SGLang convention of `export.sglang_aux_ids`; no top-level list, so that no other reader
-    takes SGLang-convention ids at face value. One layer, three aux states, and no
-    norm_before_residual variant."""
+    `layers.0.*`, older SGLang knows only `midlayer`). Aux ids only in `eagle_config`, in
+    SGLang's convention for the verifier's architecture (`sglang_written`); no top-level list,
+    so that no other reader takes SGLang-convention ids at face value. One layer, three aux
+    states, and no norm_before_residual variant."""
 
     def written_aux_ids(self, internal: list[int], ctx: ExportContext) -> list[int]:
-        return sglang_written(list(internal), ctx.sglang_rule)[0]
+        return sglang_written(list(internal), ctx.sglang_rule, ctx.verifier_arch)[0]
 
     def valid_for(self, internal: list[int], ctx: ExportContext) -> list[str]:
-        return [f"sglang {v}" for v in sglang_written(list(internal), ctx.sglang_rule)[1]]
+        written = sglang_written(list(internal), ctx.sglang_rule, ctx.verifier_arch)
+        return [f"sglang {v}" for v in written[1]]
 
-    def internal_aux_ids(self, written: list[int], engine_version: str = "post-25454"
-                         ) -> list[int]:
-        return sglang_captured(list(written), engine_version or "post-25454")
+    def internal_aux_ids(self, written: list[int], target_arch: str = "",
+                         engine_version: str = "post-25454") -> list[int]:
+        return sglang_captured(list(written), target_arch, engine_version)
 
     def aux_ids_in(self, cfg: dict[str, Any]) -> tuple[Optional[list[int]], str]:
         return ((cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"),
@@ -634,8 +643,9 @@ def validate_export(directory: Path, fmt: str, draft: DraftModelConfig,
         problems.append(str(e))
     if layout not in spec.accepted_layouts:
         layout = spec.layout
-    hazard = lambda k: (k.startswith(("model.", COMPILE_PREFIX))  # noqa: E731
-                        or (fmt == "sglang" and bool(_LAYER_KEY.match(k))))
+    def hazard(k: str) -> bool:  # already reported by _key_problems
+        return k.startswith(("model.", COMPILE_PREFIX)) or (fmt == "sglang"
+                                                            and bool(_LAYER_KEY.match(k)))
     expected = {k: v for k, v in expected_tensors(draft, layout).items()
                 if k not in ("d2t", "lm_head.weight") or k in keys}  # reported above
     problems += tensor_problems(expected, tensors, ignore_unexpected=hazard)
@@ -647,13 +657,19 @@ def validate_export(directory: Path, fmt: str, draft: DraftModelConfig,
                                        draft.vocab_size)
     if problems:
         raise ExportValidationError(directory, fmt, problems)
+    return _summary(fmt, layout, tensors, draft, aux_layer_ids, ctx)
+
+
+def _summary(fmt: str, layout: str, tensors: dict[str, torch.Tensor], draft: DraftModelConfig,
+             aux_layer_ids: list[int], ctx: ExportContext) -> dict[str, Any]:
+    spec = get_format(fmt)
     return {
         "format": fmt,
         "layout": layout,
-        "num_keys": len(keys),
+        "num_keys": len(tensors),
         "num_parameters": int(sum(t.numel() for t in tensors.values() if t.is_floating_point())),
         "dtypes": sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()}),
-        "shapes": {k: list(tensors[k].shape) for k in sorted(keys)},
+        "shapes": {k: list(tensors[k].shape) for k in sorted(tensors)},
         "aux_layer_ids_internal": list(aux_layer_ids),
         "aux_layer_ids_written": spec.written_aux_ids(list(aux_layer_ids), ctx),
         "aux_ids_valid_for": spec.valid_for(list(aux_layer_ids), ctx),

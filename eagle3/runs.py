@@ -251,6 +251,28 @@ def file_records(root: Path, paths: list[Path]) -> dict[str, dict[str, Any]]:
     return {str(f.relative_to(root)): file_record(f) for f in files}
 
 
+def safetensors_header(path: Path) -> Optional[dict[str, Any]]:
+    """The header of a safetensors file, or None when the file is truncated or not one: the
+    tensor data must end exactly at the end of the file."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                return None
+            n = int.from_bytes(raw, "little")
+            if n > size - 8:
+                return None
+            header = json.loads(f.read(n))
+    except (OSError, ValueError):  # ValueError covers bad JSON and bad UTF-8
+        return None
+    if not isinstance(header, dict):
+        return None
+    ends = [v["data_offsets"][1] for k, v in header.items()
+            if k != "__metadata__" and isinstance(v, dict) and "data_offsets" in v]
+    return header if 8 + n + max(ends, default=0) == size else None
+
+
 def verify_files(root: Path, records: dict[str, dict[str, Any]], mode: str) -> list[str]:
     """One line per file under `root` that no longer matches its record; [] when all do.
     `mode` is `run.verify`: `sha256` reads every byte (hashed on a few threads), `size` only

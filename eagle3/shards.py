@@ -32,14 +32,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from eagle3.runs import StageError, atomic_path, atomic_write_json, file_sha256
+from eagle3.runs import (StageError, atomic_path, atomic_write_json, file_sha256,
+                         safetensors_header)
 
 FORMAT = "eagle3-hidden-states-v2"
 INDEX = "index.json"
@@ -102,27 +102,10 @@ def encode(aux: torch.Tensor, final: torch.Tensor, dtype: str,
 
 
 def read_shard_header(path: Path) -> dict[str, Any] | None:
-    """The safetensors header of `path`, or None when the file is truncated or not one.
-
-    Checks that the tensor data ends exactly at the end of the file, so a cut-off shard is never
-    taken as complete.
-    """
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) < 8:
-                return None
-            (n,) = struct.unpack("<Q", raw)
-            if n > size - 8:
-                return None
-            header = json.loads(f.read(n))
-    except (OSError, ValueError):  # ValueError covers bad JSON and bad UTF-8
-        return None
-    if not isinstance(header, dict):
-        return None
-    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
-    if not ends or 8 + n + max(ends) != size or any(t not in header for t in TENSORS):
+    """The safetensors header of a shard, or None when the file is truncated, not a
+    safetensors file, or lacks a shard tensor."""
+    header = safetensors_header(path)
+    if header is None or any(t not in header for t in TENSORS):
         return None
     return header
 

@@ -126,7 +126,7 @@ def build_finetune_model(cfg: Config, d2t: torch.Tensor, t2d: torch.Tensor,
     dcfg = base_drafter.finetune_draft_config(draft_model_config(cfg, len(t2d), len(d2t)), base,
                                               intermediate_size=cfg.draft.intermediate_size)
     base_drafter.check_base(base, dcfg, embed, d2t, t2d, allow_remap=cfg.vocab.allow_remap)
-    ids = base.aux_ids_internal()
+    ids = base.aux_ids_internal(cfg.verifier_info.architecture)
     ours = list(cfg.verifier_info.aux_layer_ids)
     if ids is not None and list(ids) != ours:
         raise StageError(f"base drafter {base.path} was trained on aux ids {base.aux_layer_ids} "
@@ -393,7 +393,10 @@ def validate(t: Trainer) -> dict[str, Any]:
             if i < len(groups):
                 stats.add(s)
     t.objective.train()
-    return stats.summed().metrics()
+    stats = stats.summed()
+    if not math.isfinite(stats.objective):
+        raise _nonfinite_error(t, [t.val_idx], "validation loss")
+    return stats.metrics()
 
 
 def save(t: Trainer, val: dict[str, Any]) -> None:

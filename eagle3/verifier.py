@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 
 from eagle3.config import Config, expand_path
-from eagle3.runs import StageError
+from eagle3.runs import StageError, safetensors_header
 
 # End-of-turn tokens of common templates. With the tokenizer's EOS and the generation config's
 # EOS ids they are the ids that close an assistant turn (those the tokenizer knows as tokens).
@@ -137,6 +137,18 @@ def weight_files(verifier: Path) -> dict[str, Path]:
         raise StageError(f"verifier {verifier} has no model.safetensors or "
                          f"model.safetensors.index.json{hint}")
     return {k: single for k in _safetensors_keys(single)}
+
+
+def check_weights(verifier: Path) -> None:
+    """Every weight file of the verifier is present and whole (headers only: seconds even for
+    64 shards), so a truncated download fails here with its name, not deep in a loader."""
+    for file in sorted(set(weight_files(verifier).values())):
+        if not file.is_file():
+            raise StageError(f"verifier shard {file} (named in the index) is missing: restore "
+                             f"the verifier's files")
+        if safetensors_header(file) is None:
+            raise StageError(f"verifier weights {file} are truncated or damaged (the header "
+                             f"does not match the file size): restore the file")
 
 
 def _safetensors_keys(path: Path) -> list[str]:

@@ -179,11 +179,16 @@ def test_config_defaults_and_aux_ids(tmp_path):
     assert base.shape.norm_before_residual is False
     # Our SGLang export writes ids valid on every SGLang version: [1,3,5] for [2,4,6].
     assert base.aux_layer_ids == [1, 3, 5]
-    assert base.aux_ids_internal("post-25454") == base.aux_ids_internal("pre-25454") == _AUX
-    # AQ-MedAI writes [2,30,58]-style ids: their meaning depends on the SGLang version.
+    for arch in ("LlamaForCausalLM", "DeepseekV3ForCausalLM"):
+        for version in ("post-25454", "pre-25454"):
+            assert base.aux_ids_internal(arch, version) == _AUX
+    # AQ-MedAI writes [2,30,58]-style ids: their meaning depends on the target model and on
+    # the SGLang version.
     edit(sgl, config=lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=_AUX))
-    assert load_base_drafter(sgl).aux_ids_internal("post-25454") == _AUX
-    assert load_base_drafter(sgl).aux_ids_internal("pre-25454") == [3, 5, 7]
+    kimi = "KimiK25ForConditionalGeneration"
+    assert load_base_drafter(sgl).aux_ids_internal(kimi, "post-25454") == _AUX
+    assert load_base_drafter(sgl).aux_ids_internal(kimi, "pre-25454") == [3, 5, 7]
+    assert load_base_drafter(sgl).aux_ids_internal("LlamaForCausalLM") == [3, 5, 7]
 
 
 def test_embedding_equal_to_verifier_is_accepted(tmp_path):

@@ -140,31 +140,41 @@ def test_sglang_refuses_multi_layer_drafter(tmp_path):
 
 
 def test_sglang_aux_conventions():
+    """SGLang's Llama/Qwen/Gemma targets add +1 to every config id (all versions); its
+    DeepSeek/Kimi targets add +1 only when the first id is 1 (after PR #25454) or always
+    (before). `tests/test_sglang_engine.py` checks these rules against SGLang's own code."""
     both = ["pre-25454", "post-25454"]
+    ds, llama = "DeepseekV3ForCausalLM", "LlamaForCausalLM"
     # Kimi's [2,30,58] and any set starting at 2: one config valid on every SGLang.
-    assert formats.sglang_written([2, 30, 58], "auto") == ([1, 29, 57], both)
-    assert formats.sglang_written([2, 15, 27], "post-25454") == ([2, 15, 27], ["post-25454"])
-    assert formats.sglang_written([2, 15, 27], "pre-25454") == ([1, 14, 26], both)
-    # No robust choice: auto takes current SGLang's rule and says so.
-    assert formats.sglang_written([3, 15, 27], "auto") == ([3, 15, 27], ["post-25454"])
-    with pytest.raises(FormatError, match="no post-25454 SGLang config"):
-        formats.sglang_written([1, 15, 27], "auto")
-    assert formats.sglang_written([1, 15, 27], "pre-25454") == ([0, 14, 26], ["pre-25454"])
+    assert formats.sglang_written([2, 30, 58], "auto", ds) == ([1, 29, 57], both)
+    assert formats.sglang_written([2, 30, 58], "post-25454", ds) == ([1, 29, 57], both)
+    assert formats.sglang_written([2, 15, 27], "auto", llama) == ([1, 14, 26], both)
+    assert formats.sglang_written([3, 15, 27], "auto", llama) == ([2, 14, 26], both)
+    # No robust choice on DeepSeek: auto takes current SGLang's rule and says so.
+    assert formats.sglang_written([3, 15, 27], "auto", ds) == ([3, 15, 27], ["post-25454"])
+    assert formats.sglang_written([3, 15, 27], "pre-25454", ds) == ([2, 14, 26], ["pre-25454"])
+    with pytest.raises(FormatError, match="no auto SGLang config"):
+        formats.sglang_written([1, 15, 27], "auto", ds)
+    assert formats.sglang_written([1, 15, 27], "pre-25454", ds) == ([0, 14, 26], ["pre-25454"])
+    assert formats.sglang_written([1, 15, 27], "auto", llama) == ([0, 14, 26], both)
     # The reading direction inverts the writing one on every version an id set is valid for.
-    for ids, rule in (([2, 30, 58], "auto"), ([3, 15, 27], "auto"), ([1, 15, 27], "pre-25454")):
-        written, valid = formats.sglang_written(ids, rule)
-        assert all(formats.sglang_captured(written, v) == ids for v in valid)
+    for ids, rule, arch in (([2, 30, 58], "auto", ds), ([3, 15, 27], "auto", ds),
+                            ([1, 15, 27], "pre-25454", ds), ([3, 15, 27], "auto", llama)):
+        written, valid = formats.sglang_written(ids, rule, arch)
+        assert all(formats.sglang_captured(written, arch, v) == ids for v in valid)
 
 
-def test_post_25454_export_writes_ids_as_is(tmp_path):
-    post = dataclasses.replace(CTX, sglang_rule="post-25454")
-    out = export(tmp_path, "sglang", ctx=post)
+def test_deepseek_post_25454_export_writes_ids_as_is(tmp_path):
+    post = formats.ExportContext("/verifiers/tiny", "DeepseekV3ForCausalLM", 3, "post-25454")
+    draft = dataclasses.replace(DRAFT)
+    out = export(tmp_path, "sglang", ctx=post, aux=[3, 4, 6])
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 6]
-    summary = validate_export(out, "sglang", DRAFT, _AUX, post)
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [3, 4, 6]
+    summary = validate_export(out, "sglang", draft, [3, 4, 6], post)
     assert summary["aux_ids_valid_for"] == ["sglang post-25454"]
-    # the same directory read with the robust rule has other ids than expected
-    assert "expected [1, 3, 5]" in problems_of(out, "sglang")
+    # the same directory read for a Llama target (always +1) has other ids than expected
+    with pytest.raises(ExportValidationError, match=r"expected \[2, 3, 5\]"):
+        validate_export(out, "sglang", draft, [3, 4, 6], CTX)
 
 
 def test_export_dtype_casts_floats_only(tmp_path):
