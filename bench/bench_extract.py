@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3 import hidden_states as hs  # noqa: E402
 from eagle3 import shards  # noqa: E402
+from eagle3.verifier import load_text_decoder  # noqa: E402
 from eagle3.config import default_aux_layer_ids  # noqa: E402
 from eagle3.verifiers import SMOLLM2_DEST  # noqa: E402
 
@@ -101,7 +102,7 @@ def main() -> None:
     full = AutoModelForCausalLM.from_pretrained(args.verifier, dtype=torch.float32).eval()
     n_layers = full.config.num_hidden_layers
     aux_ids = default_aux_layer_ids(n_layers)
-    base = hs.load_text_decoder(Path(args.verifier), "float32", [torch.device("cpu")])
+    base = load_text_decoder(Path(args.verifier), "float32", [torch.device("cpu")])
 
     # Warm-up on a few samples so neither side pays first-call costs in the timing.
     naive(full, samples[:2], aux_ids)

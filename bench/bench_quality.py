@@ -30,12 +30,13 @@ from eagle3 import checkpoint as ckpt  # noqa: E402
 from eagle3.bench import load_mtbench_prompts  # noqa: E402
 from eagle3.config import load_config  # noqa: E402
 from eagle3.data import tokenize_conversation  # noqa: E402
-from eagle3.hidden_states import Capture, capture_samples, load_text_decoder  # noqa: E402
+from eagle3.hidden_states import Capture, capture_samples  # noqa: E402
 from eagle3.model import Eagle3DraftModel  # noqa: E402
 from eagle3.runs import Stage  # noqa: E402
 from eagle3.shards import dequantize_fp8, encode, pack  # noqa: E402
 from eagle3.ttt import StepStats, prepare_batch, ttt_forward  # noqa: E402
-from eagle3.verifier import load_tokenizer, read_tensor, stop_token_ids  # noqa: E402
+from eagle3.verifier import (load_text_decoder, load_tokenizer, read_tensor,  # noqa: E402
+                             stop_token_ids)
 
 
 def as_stored(aux: torch.Tensor, final: torch.Tensor, dtype: str,

@@ -52,7 +52,7 @@ from eagle3.data import (ChatTemplateError, NonPrefixTemplateError, PromptSet,
 from eagle3.engines import ChatClient, RequestRejected, TransientError, start_server
 from eagle3.runs import (Stage, StageError, atomic_dir, atomic_write_json, atomic_write_text,
                          clean_stale_tmp, config_changes, depends_on, file_records)
-from eagle3.verifier import load_tokenizer, stop_token_ids
+from eagle3.verifier import load_text_lm, load_tokenizer, stop_token_ids
 
 log = logging.getLogger("eagle3")
 
@@ -262,15 +262,11 @@ def _prompt_ids(tok: Any, messages: list[dict[str, Any]]) -> list[int]:
 
 def _load_model(stage: Stage) -> tuple[Any, str]:
     import torch
-    from transformers import AutoModelForCausalLM
 
     cfg = stage.cfg
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(
-        cfg.verifier_path, dtype=getattr(torch, cfg.verifier.dtype),
-        trust_remote_code=cfg.verifier.trust_remote_code).to(device)
-    model.eval()
-    return model, device
+    return load_text_lm(cfg.verifier_path, cfg.verifier.dtype, device,
+                        cfg.verifier.trust_remote_code), device
 
 
 def budget_batches(lengths: list[int], max_rows: int, budget: int,

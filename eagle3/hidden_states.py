@@ -65,7 +65,7 @@ from eagle3.shards import (AUX_CONVENTION, FINAL_STATE, FORMAT, INDEX, STORAGE,
                            write_shard)
 from eagle3.config import ServerConfig
 from eagle3.engines import base_url, http_post_json, served_model, start_server
-from eagle3.verifier import read_tensor, weight_files
+from eagle3.verifier import load_text_decoder, read_tensor
 
 log = logging.getLogger("eagle3")
 
@@ -101,21 +101,6 @@ def check_disk(directory: Path, needed: int) -> None:
 # hf backend: selective loading of the text decoder
 
 
-def find_text_prefix(names: list[str]) -> str:
-    """Checkpoint prefix of the text decoder ("model.", "language_model.model.",
-    "model.language_model.", ...): the one whose embed_tokens, norm and layers.0 all exist."""
-    keys = set(names)
-    cands = [n[:-len("embed_tokens.weight")] for n in names if n.endswith("embed_tokens.weight")]
-    cands = [p for p in cands if f"{p}norm.weight" in keys
-             and any(n.startswith(f"{p}layers.0.") for n in keys)]
-    if not cands:
-        raise StageError("verifier checkpoint has no text decoder (`...embed_tokens.weight`, "
-                         "`...norm.weight`, `...layers.0.*`): the hf backend cannot load it")
-    # A multimodal checkpoint may hold other towers with their own embeddings; the language
-    # model is the one named so, else the shortest prefix.
-    return sorted(cands, key=lambda p: ("language_model" not in p, len(p)))[0]
-
-
 def rank_devices(mode: str, ctx: dist.DistContext) -> list[torch.device]:
     """Devices this rank's verifier runs on: one, or (`auto`) its share of the visible GPUs."""
     if mode == "single" or not torch.cuda.is_available():
@@ -125,51 +110,6 @@ def rank_devices(mode: str, ctx: dist.DistContext) -> list[torch.device]:
         raise StageError(f"hidden_states.device_map=auto: {ctx.local_world_size} ranks per node "
                          f"but only {torch.cuda.device_count()} GPUs; run fewer ranks")
     return [torch.device("cuda", ctx.local_rank * per + i) for i in range(per)]
-
-
-def text_device_map(num_layers: int, devices: list[torch.device]) -> dict[str, str]:
-    """Module -> device for the text decoder: layer i on devices[i * len(devices) // n]."""
-    out = {"embed_tokens": str(devices[0]), "rotary_emb": str(devices[0]),
-           "norm": str(devices[-1])}
-    for i in range(num_layers):
-        out[f"layers.{i}"] = str(devices[i * len(devices) // num_layers])
-    return out
-
-
-def load_text_decoder(path: Path, dtype: str, devices: list[torch.device],
-                      trust_remote_code: bool = False) -> torch.nn.Module:
-    """The verifier's text decoder alone (e.g. LlamaModel, DeepseekV3Model).
-
-    Only the decoder's tensors are read, each once, straight to the device of the module that
-    uses it: the checkpoint prefix of the text model (`model.`, `language_model.model.`, ...)
-    is mapped away, so the lm_head, vision tower and MTP layers are skipped. transformers does
-    the loading, so its checkpoint conversions (e.g. fused MoE experts) apply.
-    """
-    import re
-
-    from transformers import AutoConfig, AutoModel
-    from transformers.utils import logging as hf_logging
-
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    text_cfg = config.get_text_config(decoder=True)
-    prefix = find_text_prefix(list(weight_files(path)))
-    device_map = text_device_map(text_cfg.num_hidden_layers, devices)
-    # The skipped tensors would fill the log with an "unexpected keys" report; missing ones
-    # are checked below instead.
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        base, info = AutoModel.from_pretrained(
-            path, config=text_cfg, dtype=getattr(torch, dtype), device_map=device_map,
-            key_mapping={f"^{re.escape(prefix)}": ""}, trust_remote_code=trust_remote_code,
-            output_loading_info=True)
-    finally:
-        hf_logging.set_verbosity(verbosity)
-    if info["missing_keys"]:
-        missing = sorted(info["missing_keys"])
-        raise StageError(f"verifier checkpoint {path} lacks {prefix}{missing[0]} "
-                         f"({len(missing)} decoder tensors missing)")
-    return base.eval()
 
 
 class Capture:

@@ -13,9 +13,11 @@ are StageErrors of one line naming the file and the fix.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -180,3 +182,107 @@ def read_tensor(verifier: Path, what: str) -> torch.Tensor:
                                  f"({_first_line(e)}): truncated or damaged; restore them") \
                     from None
     raise StageError(f"verifier {verifier} has no {what} tensor (looked for {', '.join(names)})")
+
+
+# ---------------------------------------------------------------------------------------------
+# The text model, loaded by transformers (the decoder alone, or with its LM head)
+
+
+def find_text_prefix(names: list[str]) -> str:
+    """Checkpoint prefix of the text decoder ("model.", "language_model.model.",
+    "model.language_model.", ...): the one whose embed_tokens, norm and layers.0 all exist."""
+    keys = set(names)
+    cands = [n[:-len("embed_tokens.weight")] for n in names if n.endswith("embed_tokens.weight")]
+    cands = [p for p in cands if f"{p}norm.weight" in keys
+             and any(n.startswith(f"{p}layers.0.") for n in keys)]
+    if not cands:
+        raise StageError("verifier checkpoint has no text decoder (`...embed_tokens.weight`, "
+                         "`...norm.weight`, `...layers.0.*`): the hf backend cannot load it")
+    # A multimodal checkpoint may hold other towers with their own embeddings; the language
+    # model is the one named so, else the shortest prefix.
+    return sorted(cands, key=lambda p: ("language_model" not in p, len(p)))[0]
+
+
+def text_device_map(num_layers: int, devices: list[torch.device]) -> dict[str, str]:
+    """Module -> device for the text decoder: layer i on devices[i * len(devices) // n]."""
+    out = {"embed_tokens": str(devices[0]), "rotary_emb": str(devices[0]),
+           "norm": str(devices[-1])}
+    for i in range(num_layers):
+        out[f"layers.{i}"] = str(devices[i * len(devices) // num_layers])
+    return out
+
+
+def text_config_of(path: Path, trust_remote_code: bool) -> Any:
+    """The text model's transformers config. Kimi-K2.5's `text_config` says `model_type:
+    kimi_k2`; transformers reads it as a DeepseekV3Config but keeps that name, and finds no
+    checkpoint conversion under it (Kimi's per-expert weights then fail to load into
+    DeepSeek-V3's fused experts): the config class's own model type is restored."""
+    from transformers import AutoConfig
+
+    text_cfg = AutoConfig.from_pretrained(
+        path, trust_remote_code=trust_remote_code).get_text_config(decoder=True)
+    canonical = getattr(type(text_cfg), "model_type", None)
+    if canonical and text_cfg.model_type != canonical:
+        text_cfg.model_type = canonical
+    return text_cfg
+
+
+def load_text_decoder(path: Path, dtype: str, devices: list[torch.device],
+                      trust_remote_code: bool = False) -> torch.nn.Module:
+    """The verifier's text decoder alone (e.g. LlamaModel, DeepseekV3Model).
+
+    Only the decoder's tensors are read, each once, straight to the device of the module that
+    uses it: the checkpoint prefix of the text model (`model.`, `language_model.model.`, ...)
+    is mapped away, so the lm_head, vision tower and MTP layers are skipped. transformers does
+    the loading, so its checkpoint conversions (e.g. fused MoE experts) apply.
+    """
+    from transformers import AutoModel
+
+    text_cfg = text_config_of(path, trust_remote_code)
+    prefix = find_text_prefix(list(weight_files(path)))
+    device_map = text_device_map(text_cfg.num_hidden_layers, devices)
+    with _quiet_transformers():
+        base, info = AutoModel.from_pretrained(
+            path, config=text_cfg, dtype=getattr(torch, dtype), device_map=device_map,
+            key_mapping={f"^{re.escape(prefix)}": ""}, trust_remote_code=trust_remote_code,
+            output_loading_info=True)
+    if info["missing_keys"]:
+        missing = sorted(info["missing_keys"])
+        raise StageError(f"verifier checkpoint {path} lacks {prefix}{missing[0]} "
+                         f"({len(missing)} decoder tensors missing)")
+    return base.eval()
+
+
+def load_text_lm(path: Path, dtype: str, device: str,
+                 trust_remote_code: bool = False) -> torch.nn.Module:
+    """The verifier's text model with its LM head, for generating in-process (stage 01's hf
+    engine): a multimodal wrapper's language model alone, under its checkpoint prefix."""
+    from transformers import AutoModelForCausalLM
+
+    text_cfg = text_config_of(path, trust_remote_code)
+    decoder = find_text_prefix(list(weight_files(path)))
+    lm_prefix = decoder.removesuffix("model.")  # `language_model.` of `language_model.model.`
+    mapping = {f"^{re.escape(lm_prefix)}": ""} if lm_prefix else None
+    with _quiet_transformers():
+        model, info = AutoModelForCausalLM.from_pretrained(
+            path, config=text_cfg, dtype=getattr(torch, dtype), key_mapping=mapping,
+            trust_remote_code=trust_remote_code, output_loading_info=True)
+    if info["missing_keys"]:
+        missing = sorted(info["missing_keys"])
+        raise StageError(f"verifier checkpoint {path} lacks {lm_prefix}{missing[0]} "
+                         f"({len(missing)} tensors missing)")
+    return model.to(device).eval()
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """Skipped tensors (vision tower, MTP layers) would fill the log with an "unexpected keys"
+    report; missing ones are checked by the callers instead."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)

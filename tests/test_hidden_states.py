@@ -15,6 +15,7 @@ import torch
 from conftest import make_config
 from eagle3 import hidden_states as hs_mod
 from eagle3 import shards
+from eagle3 import verifier as verifier_mod
 from eagle3.hidden_states import run_extract
 from eagle3.shards import HiddenStates
 from eagle3.runs import Stage, StageError
@@ -241,7 +242,7 @@ def test_selective_load_builds_only_the_text_decoder(tmp_path):
     from safetensors.torch import load_file
 
     _save_multimodal(tmp_path / "mm", "kimi")
-    base = hs_mod.load_text_decoder(tmp_path / "mm", "float32", [torch.device("cpu")])
+    base = verifier_mod.load_text_decoder(tmp_path / "mm", "float32", [torch.device("cpu")])
     assert type(base).__name__ == "DeepseekV3Model"
     names = set(base.state_dict())
     assert not any("lm_head" in k or "vision" in k or "projector" in k for k in names)
@@ -254,18 +255,18 @@ def test_selective_load_builds_only_the_text_decoder(tmp_path):
 
 def test_find_text_prefix():
     layers = ["layers.0.mlp.w", "embed_tokens.weight", "norm.weight"]
-    assert hs_mod.find_text_prefix([f"model.{k}" for k in layers] + ["lm_head.weight"]) == \
+    assert verifier_mod.find_text_prefix([f"model.{k}" for k in layers] + ["lm_head.weight"]) == \
         "model."
     kimi = [f"language_model.model.{k}" for k in layers] + \
         ["vision_tower.embed_tokens.weight", "vision_tower.norm.weight",
          "vision_tower.layers.0.w"]
-    assert hs_mod.find_text_prefix(kimi) == "language_model.model."
+    assert verifier_mod.find_text_prefix(kimi) == "language_model.model."
     with pytest.raises(StageError, match="no text decoder"):
-        hs_mod.find_text_prefix(["encoder.weight"])
+        verifier_mod.find_text_prefix(["encoder.weight"])
 
 
 def test_hooks_only_on_needed_layers(tiny_verifier):
-    base = hs_mod.load_text_decoder(tiny_verifier, "float32", [torch.device("cpu")])
+    base = verifier_mod.load_text_decoder(tiny_verifier, "float32", [torch.device("cpu")])
     cap = hs_mod.Capture(base, [1, 3])
     hooked = [i for i, layer in enumerate(base.layers) if layer._forward_hooks]
     assert hooked == [0, 2] and not base.embed_tokens._forward_hooks
@@ -276,13 +277,13 @@ def test_hooks_only_on_needed_layers(tiny_verifier):
 def test_device_map_splits_layers_evenly(tiny_verifier):
     cpu = torch.device("cpu")
     gpus = [torch.device("cuda", i) for i in range(2)]
-    dm = hs_mod.text_device_map(4, gpus)
+    dm = verifier_mod.text_device_map(4, gpus)
     assert [dm[f"layers.{i}"] for i in range(4)] == ["cuda:0", "cuda:0", "cuda:1", "cuda:1"]
     assert dm["embed_tokens"] == "cuda:0" and dm["norm"] == "cuda:1"
     # On the CPU the split is trivial (both "devices" are the CPU) but runs the same loader.
     ids = [torch.randint(3, 2000, (n,)).tolist() for n in (7, 3, 11)]
-    one = hs_mod.load_text_decoder(tiny_verifier, "float32", [cpu])
-    two = hs_mod.load_text_decoder(tiny_verifier, "float32", [cpu, cpu])
+    one = verifier_mod.load_text_decoder(tiny_verifier, "float32", [cpu])
+    two = verifier_mod.load_text_decoder(tiny_verifier, "float32", [cpu, cpu])
     a = hs_mod.capture_samples(one, hs_mod.Capture(one, AUX_IDS), ids, 16)
     b = hs_mod.capture_samples(two, hs_mod.Capture(two, AUX_IDS), ids, 16)
     for (x1, f1), (x2, f2) in zip(a, b):
