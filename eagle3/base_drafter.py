@@ -261,6 +261,34 @@ def _shape(cfg: dict[str, Any], layer: dict[str, Any], weights: dict[str, torch.
         norm_before_residual=bool(cfg.get("norm_before_residual", nested)))
 
 
+CONVENTIONS = {"minus_one": -1, "as_is": 0, "plus_one": 1}
+"""Readings of a base drafter's written aux ids: HF indices = written + offset."""
+
+
+def written_aux_ids(path: str | Path) -> Optional[list[int]]:
+    """The aux ids a base drafter's config.json writes, without loading its weights: SGLang /
+    AQ-MedAI configs keep them in `eagle_config` (the only place SGLang reads), speculators and
+    vLLM configs at top level."""
+    cfg_file = Path(path).expanduser() / "config.json"
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (OSError, ValueError):
+        raise BaseDrafterError(Path(path), ["config.json missing or not valid JSON"]) from None
+    ids = ((cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+           or cfg.get("eagle_aux_hidden_state_layer_ids"))
+    return None if ids is None else [int(i) for i in ids]
+
+
+def candidate_aux_ids(written: list[int], num_layers: int) -> dict[str, list[int]]:
+    """Each reading of `written` that names valid layers (1..num_layers) of the verifier."""
+    out = {}
+    for name, delta in CONVENTIONS.items():
+        ids = [i + delta for i in written]
+        if all(1 <= i <= num_layers for i in ids):
+            out[name] = ids
+    return out
+
+
 def load_vocab(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     """Only the (d2t, t2d) of a base drafter, read without loading its other weights."""
     path = Path(path).expanduser()

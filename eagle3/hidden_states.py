@@ -51,6 +51,7 @@ import json
 import logging
 import os
 import shutil
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -317,6 +318,8 @@ def run_extract(stage: Stage) -> None:
     written = _extract_shards(stage, ctx, ds, plan) if plan.todo else 0
     written = dist.all_sum(written)
     dist.barrier()
+    if ctx.is_main and cfg.measures_base:
+        _extract_measure_set(stage, ctx, ds, plan)
     if ctx.is_main:
         _finish(stage, plan, written, ctx.world_size, started)
 
@@ -365,6 +368,48 @@ def _plan(stage: Stage, ctx: dist.DistContext, ds: Any) -> _Plan:
     return _Plan(shards, todo, facts, lengths, bpt)
 
 
+MEASURE_DIR = "measure"
+
+
+def measure_layer_ids(cfg: Any) -> list[int]:
+    """Every layer some reading of the base drafter's written aux ids names (eagle3.base_drafter
+    `candidate_aux_ids`), plus our own ids: what `train.base_aux_convention=measure` needs."""
+    from eagle3.base_drafter import candidate_aux_ids, written_aux_ids
+
+    info = cfg.verifier_info
+    written = written_aux_ids(cfg.train.finetune_from)
+    if written is None:
+        raise StageError(f"base drafter {cfg.train.finetune_from} writes no aux ids: nothing to "
+                         f"measure; set train.base_aux_convention=as_is")
+    ids = {i for cand in candidate_aux_ids(written, info.num_hidden_layers).values()
+           for i in cand}
+    return sorted(ids | set(info.aux_layer_ids))
+
+
+def _extract_measure_set(stage: Stage, ctx: dist.DistContext, ds: Any, plan: _Plan) -> None:
+    """`02_hidden_states/measure/`: the first `train.measure_samples` samples with the aux states
+    of every candidate layer, written as one shard (kept when already complete)."""
+    cfg = stage.cfg
+    rows = list(range(min(cfg.train.measure_samples, len(ds))))
+    ids = measure_layer_ids(cfg)
+    facts = {**plan.facts, "aux_layer_ids": ids}
+    out = stage.dir / MEASURE_DIR
+    out.mkdir(exist_ok=True)
+    sub = ds.select(rows)
+    sample_ids, input_ids = list(sub["id"]), list(sub["input_ids"])
+    if shard_done(out, 0, sample_ids, sum(plan.lengths[i] for i in rows), facts) is None:
+        measure_cfg = dataclasses.replace(cfg, verifier=dataclasses.replace(
+            cfg.verifier, aux_layer_ids=ids))
+        with _capture_backend(Stage(measure_cfg, 2), ctx, max(plan.lengths)) as capture_fn:
+            states = [encode(aux, final, cfg.hidden_states.dtype, len(ids))
+                      for aux, final in capture_fn(sample_ids, input_ids)]
+        write_shard(out, 0, sample_ids, input_ids, list(sub["loss_mask"]), states, facts)
+    entry = json.loads((out / entry_name(0)).read_text())
+    atomic_write_json(out / INDEX, {"format": FORMAT, **facts, "num_aux": len(ids),
+                                    "num_samples": len(rows), "shards": [entry]})
+    log.info("measure set: %d samples with aux layers %s -> %s", len(rows), ids, out)
+
+
 def _finish(stage: Stage, plan: _Plan, written: int, ranks: int, started: float) -> None:
     """index.json and the manifest, once every shard's entry is there (rank 0)."""
     entries = []
@@ -386,7 +431,8 @@ def _finish(stage: Stage, plan: _Plan, written: int, ranks: int, started: float)
     atomic_write_json(stage.dir / INDEX, index)
     # The shards' records are the ones computed when each was written (no second hash pass).
     files = {e["file"]: {"bytes": e["bytes"], "sha256": e["sha256"]} for e in entries}
-    files |= file_records(stage.dir, [stage.dir / INDEX])
+    files |= file_records(stage.dir, [stage.dir / INDEX] + (
+        [stage.dir / MEASURE_DIR] if stage.cfg.measures_base else []))
     stage.write_manifest(
         inputs={"01_data": stage.upstream_hash(1)},
         outputs={"index": INDEX, "shards": [e["file"] for e in entries]},

@@ -86,6 +86,7 @@ STAGES: dict[int, StageSpec] = {
         "verifier.chat_template": _chat_template_digest,
         "verifier.stop_token_ids": None, "data": None, "generate.engine": None, "generate.max_new_tokens": None,
         "generate.temperature": None, "generate.top_p": None, "generate.seed": None,
+        "generate.on_length": None,
         "generate.batch_size (hf engine)": _hf_generation("generate.batch_size"),
         "generate.batch_tokens (hf engine)": _hf_generation("generate.batch_tokens"),
         "generate.chunk_size (hf engine)": _hf_generation("generate.chunk_size"),
@@ -94,7 +95,12 @@ STAGES: dict[int, StageSpec] = {
         "verifier.aux_layer_ids": lambda c: list(c.verifier_info.aux_layer_ids),
         "hidden_states.dtype": None, "hidden_states.backend": None,
         "verifier.dtype (hf backend)":
-            lambda c: c.verifier.dtype if c.hidden_states.backend == "hf" else None}),
+            lambda c: c.verifier.dtype if c.hidden_states.backend == "hf" else None,
+        "train.measure_samples (base_aux_convention=measure)":
+            lambda c: c.train.measure_samples if c.measures_base else None,
+        "train.finetune_from (base_aux_convention=measure)":
+            lambda c: str(Path(c.train.finetune_from).expanduser().resolve())
+            if c.measures_base else None}),
     3: StageSpec("03_vocab", "03_build_vocab_map.py", (1,), {
         "vocab.draft_vocab_size": None, "vocab.copies_base_map": lambda c: c.copies_base_vocab,
         "vocab.allow_remap": None,

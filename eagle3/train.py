@@ -31,10 +31,10 @@ import torch
 
 from eagle3 import base_drafter, dist
 from eagle3 import checkpoint as ckpt
-from eagle3.config import Config
+from eagle3.config import Config, VerifierInfo
 from eagle3.formats import ExportContext, speculators_config
 from eagle3.model import DraftModelConfig, Eagle3DraftModel
-from eagle3.runs import Stage, StageError, atomic_write_text, clean_stale_tmp
+from eagle3.runs import Stage, StageError, atomic_write_json, atomic_write_text, clean_stale_tmp
 from eagle3.shards import HiddenStates, pack
 from eagle3.ttt import StepStats, TTTObjective, prepare_batch, ttt_forward
 from eagle3.verifier import read_tensor
@@ -87,8 +87,11 @@ def check_fits(data: HiddenStates, budget: int) -> None:
 # Model construction
 
 
-def draft_model_config(cfg: Config, vocab_size: int, draft_vocab_size: int) -> DraftModelConfig:
-    info, d = cfg.verifier_info, cfg.draft
+def draft_model_config(cfg: Config, vocab_size: int, draft_vocab_size: int,
+                       info: Optional[VerifierInfo] = None) -> DraftModelConfig:
+    """The fresh drafter's shape: the `draft` section, else derived from the verifier (`info`,
+    default `cfg.verifier_info`)."""
+    info, d = info or cfg.verifier_info, cfg.draft
     return DraftModelConfig(
         hidden_size=info.hidden_size, target_hidden_size=info.hidden_size,
         num_aux=len(info.aux_layer_ids),
@@ -116,32 +119,98 @@ def build_model(cfg: Config, d2t: torch.Tensor, t2d: torch.Tensor,
     return model
 
 
-def build_finetune_model(cfg: Config, d2t: torch.Tensor, t2d: torch.Tensor,
+def build_finetune_model(stage: Stage, d2t: torch.Tensor, t2d: torch.Tensor,
                          verifier_lm_head: torch.Tensor) -> tuple[Eagle3DraftModel, dict]:
     """The drafter at `train.finetune_from`, keys remapped and every tensor, the vocabulary map
     and the aux ids checked against ours; the base's attention geometry wins (ours is only
     derived). On resume the same model is rebuilt, then the step checkpoint is loaded."""
+    cfg = stage.cfg
     embed = read_tensor(cfg.verifier_path, "embed")
     base = base_drafter.load(Path(cfg.train.finetune_from))
     dcfg = base_drafter.finetune_draft_config(draft_model_config(cfg, len(t2d), len(d2t)), base,
                                               intermediate_size=cfg.draft.intermediate_size)
     base_drafter.check_base(base, dcfg, embed, d2t, t2d, allow_remap=cfg.vocab.allow_remap)
-    ids = base.aux_ids_internal(cfg.verifier_info.architecture)
-    ours = list(cfg.verifier_info.aux_layer_ids)
-    if ids is not None and list(ids) != ours:
-        raise StageError(f"base drafter {base.path} was trained on aux ids {base.aux_layer_ids} "
-                         f"({base.layout} layout) = {list(ids)} as HF output_hidden_states "
-                         f"indices, but the config resolves to {ours}: set "
-                         f"verifier.aux_layer_ids={list(ids)} (and redo stage 02)")
     head = (remap_lm_head(base.weights["lm_head.weight"], base.d2t, d2t, verifier_lm_head)
             if cfg.vocab.allow_remap else None)
     model = Eagle3DraftModel(dcfg)
     model.load_state_dict(base_drafter.base_state_dict(base, embed, d2t, t2d, head))
-    info = {"path": str(base.path), "layout": base.layout,
-            "aux_layer_ids_as_written": base.aux_layer_ids, "vocab_remapped": cfg.vocab.allow_remap}
-    log.info("fine-tuning from %s (%s layout, aux ids %s)", base.path, base.layout,
-             base.aux_layer_ids)
+    ids, convention = _base_aux_ids(stage, base, model, verifier_lm_head)
+    ours = list(cfg.verifier_info.aux_layer_ids)
+    if ids is not None and list(ids) != ours:
+        raise StageError(f"base drafter {base.path} was trained on aux ids {base.aux_layer_ids} "
+                         f"({base.layout} layout, read {convention}) = {list(ids)} as HF "
+                         f"output_hidden_states indices, but the config resolves to {ours}: "
+                         f"set verifier.aux_layer_ids={list(ids)} (and redo stage 02)")
+    info = {"path": str(base.path), "layout": base.layout, "aux_convention": convention,
+            "aux_layer_ids_as_written": base.aux_layer_ids, "aux_layer_ids": ids,
+            "vocab_remapped": cfg.vocab.allow_remap}
+    log.info("fine-tuning from %s (%s layout, aux ids %s read %s = %s)", base.path, base.layout,
+             base.aux_layer_ids, convention, ids)
     return model, info
+
+
+def _base_aux_ids(stage: Stage, base: base_drafter.BaseDrafter, model: Eagle3DraftModel,
+                  lm_head: torch.Tensor) -> tuple[Optional[list[int]], str]:
+    """(HF indices the base was trained on, how they were read), per
+    `train.base_aux_convention`."""
+    cfg = stage.cfg
+    convention = cfg.train.base_aux_convention
+    if base.aux_layer_ids is None:
+        return None, "absent"
+    if convention == "engine":
+        return base.aux_ids_internal(cfg.verifier_info.architecture), "as its engine reads them"
+    if convention != "measure":
+        return [i + base_drafter.CONVENTIONS[convention] for i in base.aux_layer_ids], convention
+    scores = measure_base(stage, base, model, lm_head)
+    best = max(scores, key=lambda name: scores[name]["est_accept_len"])
+    # Only a clear difference overrules how the base's own engine reads its ids: layers close
+    # to each other can score alike (a random or very shallow verifier).
+    engine_ids = base.aux_ids_internal(cfg.verifier_info.architecture)
+    engine = next((n for n, sc in scores.items() if sc["aux_layer_ids"] == engine_ids), None)
+    tie = engine is not None and scores[best]["est_accept_len"] - \
+        scores[engine]["est_accept_len"] <= MEASURE_MARGIN
+    chosen = engine if tie else best
+    atomic_write_json(stage.dir / "base_aux_measurement.json",
+                      {"base": str(base.path), "written": base.aux_layer_ids, "chosen": chosen,
+                       "engine_reading": engine, "margin": MEASURE_MARGIN, "scores": scores})
+    log.info("base aux convention measured: %s", ", ".join(
+        f"{n} {s['aux_layer_ids']}: est_len {s['est_accept_len']:.3f}" for n, s in scores.items()))
+    how = (f"measured: {chosen} (within {MEASURE_MARGIN} of the best, as its engine reads it)"
+           if tie and chosen != best else f"measured best: {chosen}")
+    return scores[chosen]["aux_layer_ids"], how
+
+
+MEASURE_MARGIN = 0.01
+"""Estimated acceptance length by which a reading must beat the engine's to be chosen."""
+
+
+@torch.no_grad()
+def measure_base(stage: Stage, base: base_drafter.BaseDrafter, model: Eagle3DraftModel,
+                 lm_head: torch.Tensor) -> dict[str, dict[str, Any]]:
+    """Score the base (as loaded, before any training) on stage 02's measure set under each
+    reading of its written aux ids: the reading it was trained with predicts the verifier."""
+    from eagle3.hidden_states import MEASURE_DIR
+
+    cfg, tc = stage.cfg, stage.cfg.train
+    data = HiddenStates(stage.upstream(2).dir / MEASURE_DIR)
+    hidden = data.hidden_size
+    draft_ids = torch.arange(len(model.d2t)) + model.d2t
+    scores = {}
+    for name, ids in base_drafter.candidate_aux_ids(
+            base.aux_layer_ids, cfg.verifier_info.num_hidden_layers).items():
+        cols = torch.cat([torch.arange(data.aux_layer_ids.index(j) * hidden,
+                                       (data.aux_layer_ids.index(j) + 1) * hidden)
+                          for j in ids])
+        stats = StepStats.zeros(tc.ttt_steps)
+        for i in range(len(data)):
+            sample = data[i]
+            sample["aux"] = sample["aux"][:, cols]
+            batch, teacher = prepare_batch([sample], max(data.num_tokens(i), 1),
+                                           torch.device("cpu"), torch.float32, lm_head.float(),
+                                           draft_ids)
+            stats.add(ttt_forward(model, batch, teacher, tc.ttt_steps, tc.step_decay)[1])
+        scores[name] = {"aux_layer_ids": ids, **stats.metrics()}
+    return scores
 
 
 # ---------------------------------------------------------------------------------------------
@@ -249,7 +318,7 @@ def setup(stage: Stage) -> Trainer:
     total = min(total, tc.max_steps) if tc.max_steps is not None else total
     base_info: dict[str, Any] = {}
     if tc.finetune_from:
-        model, base_info = build_finetune_model(cfg, d2t, t2d, lm_head.cpu())
+        model, base_info = build_finetune_model(stage, d2t, t2d, lm_head.cpu())
     else:
         model = build_model(cfg, d2t, t2d, lm_head.cpu())
     model = model.to(ctx.device)

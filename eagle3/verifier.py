@@ -46,6 +46,9 @@ def load_tokenizer(cfg: Config, padding_side: str = "right") -> Any:
     from transformers import AutoTokenizer
 
     path = cfg.verifier_path
+    if not path.is_dir():
+        raise StageError(f"verifier.path {path} is not a directory: prepare the verifier or fix "
+                         f"the path")
     try:
         tok = AutoTokenizer.from_pretrained(path, padding_side=padding_side,
                                             trust_remote_code=cfg.verifier.trust_remote_code)
@@ -70,7 +73,8 @@ def load_tokenizer(cfg: Config, padding_side: str = "right") -> Any:
 
 def chat_template_path(cfg: Config) -> Path | None:
     """The template file engines must be started with, so they render as training did."""
-    return Path(expand_path(cfg.verifier.chat_template)) if cfg.verifier.chat_template else None
+    template = cfg.verifier.chat_template
+    return Path(expand_path(template)).resolve() if template else None
 
 
 def stop_token_ids(tokenizer: Any, cfg: Optional[Config] = None) -> list[int]:

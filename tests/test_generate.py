@@ -68,16 +68,20 @@ def test_generate_outputs(tmp_path, tiny_verifier):
         assert conv["sampling"] == {"temperature": 0.0, "top_p": 1.0, "max_new_tokens": 16,
                                     "seed": None}
         assert 0 < conv["num_generated_tokens"] <= 16
+        cut = conv["finish_reason"] == "length"
         expected = tokenize_conversation(tok, conv["messages"], stop_token_ids(tok, tiny_config),
-                                         tiny_config.data.max_seq_len)
+                                         tiny_config.data.max_seq_len, unclosed_last=cut)
         assert (ids, mask) == expected
-        # The mask covers the answer plus <|im_end|>, and nothing of the prompt.
+        # The mask covers the answer plus <|im_end|>, and nothing of the prompt; an answer cut
+        # at max_new_tokens ends at its last generated token, with no <|im_end|> appended.
         first = mask.index(1)
         assert tok.decode(ids[:first]).endswith("<|im_start|>assistant\n")
         assert conv["messages"][0]["content"] in tok.decode(ids[:first])
-        assert all(mask[first:first + sum(mask)])
-        if sum(mask) < len(ids) - first:  # not truncated: the turn closes with <|im_end|>
-            assert ids[first + sum(mask) - 1] == tok.convert_tokens_to_ids("<|im_end|>")
+        assert all(mask[first:]) and len(ids) == first + sum(mask)
+        im_end = tok.convert_tokens_to_ids("<|im_end|>")
+        assert (ids[-1] == im_end) != cut
+        if cut:
+            assert tok.decode(ids[first:]) == conv["messages"][1]["content"]
     counts = stage.manifest()["counts"]
     assert counts["rows"] == len(convs) and counts["samples"] == len(convs)
     assert 0 < counts["assistant_fraction"] < 1
@@ -100,12 +104,30 @@ def test_multi_turn_conditions_on_regenerated_history(tmp_path, tiny_verifier):
     cfg = make_config(tmp_path, tiny_verifier,
                       data={"sources": [src], "num_samples": 3},
                       generate={"max_new_tokens": 8, "batch_size": 2, "chunk_size": 3})
+    # A turn cut at max_new_tokens ends its conversation (the verifier had not finished), and
+    # this random verifier never says <|im_end|>: stop turn 1 at the second token it greedily
+    # writes for each prompt, so that every conversation reaches turn 2.
+    tok = load_tokenizer(cfg, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(tiny_verifier, dtype=torch.float32).eval()
+    stops = set()
+    for i in range(3):
+        msgs = [{"role": "user", "content": f"Tell me about topic number {i}, please."}]
+        prompt = tok(render(tok, msgs, True), add_special_tokens=False,
+                     return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            out = model.generate(prompt, max_new_tokens=2, do_sample=False,
+                                 pad_token_id=tok.pad_token_id)
+        first, second = out[0, -2:].tolist()
+        assert first != second and first not in stops
+        stops.add(second)
+    cfg = make_config(tmp_path, tiny_verifier,
+                      verifier={"stop_token_ids": sorted(stops | {tok.eos_token_id})},
+                      data={"sources": [src], "num_samples": 3},
+                      generate={"max_new_tokens": 8, "batch_size": 2, "chunk_size": 3})
     stage = Stage(cfg, 1)
     run_generate(stage)
     convs = _jsonl(stage.dir / "conversations.jsonl")
     assert len(convs) == 3
-    tok = load_tokenizer(cfg, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(tiny_verifier, dtype=torch.float32).eval()
     for conv in convs:
         msgs = conv["messages"]
         assert [m["role"] for m in msgs] == ["user", "assistant", "user", "assistant"]
@@ -113,13 +135,13 @@ def test_multi_turn_conditions_on_regenerated_history(tmp_path, tiny_verifier):
         # Regenerate turn 2 alone, one row at a time, from the stored (regenerated) turn 1.
         prompt = tok(render(tok, msgs[:3], True), add_special_tokens=False,
                      return_tensors="pt")["input_ids"]
+        stop_ids = sorted(stops | {tok.eos_token_id})
         with torch.no_grad():
             out = model.generate(prompt, max_new_tokens=8, do_sample=False,
-                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+                                 eos_token_id=stop_ids, pad_token_id=tok.pad_token_id)
         answer = out[0, prompt.shape[1]:].tolist()
-        if tok.eos_token_id in answer:
-            answer = answer[:answer.index(tok.eos_token_id)]
-        assert msgs[3]["content"] == tok.decode(answer, skip_special_tokens=False)
+        cut = next((k for k, t in enumerate(answer) if t in stop_ids), len(answer))
+        assert msgs[3]["content"] == tok.decode(answer[:cut], skip_special_tokens=False)
     ds = _dataset_dict(stage.dir)
     for ids, mask in zip(ds["input_ids"], ds["loss_mask"]):
         runs = sum(1 for k in range(len(mask)) if mask[k] and (k == 0 or not mask[k - 1]))

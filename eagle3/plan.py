@@ -1,0 +1,285 @@
+"""What a config will do and cost, and whether it can start, before a GPU node is booked.
+
+    python -m eagle3.plan configs/kimi-k2.5.yaml [section.key=value ...]
+    bash run_pipeline.sh configs/kimi-k2.5.yaml --plan
+
+Prints, per stage, the work (prompts, estimated tokens from the data and
+`generate.max_new_tokens`), the disk it writes (hidden states per storage dtype), the training
+memory per GPU (weights, gradients, AdamW moments; DDP and FSDP), the engine commands the stages
+will run, and hours on `plan.gpus` GPUs from the throughput figures in the `plan` section (left
+out where a figure is unset). Then the preflight checks, one verdict per line. Nothing is
+started or written. When the verifier is not on this machine, its shape comes from
+`plan.verifier_config` (a copy of its config.json).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from eagle3.config import Config, ConfigError, VerifierInfo, load_config, read_verifier_info
+from eagle3.runs import StageError
+
+GB = 1e9
+THINKING = [{"role": "user", "content": "What is 2+2?"},
+            {"role": "assistant", "content": "4.", "reasoning_content": "Add them."}]
+
+
+@dataclasses.dataclass
+class Verdict:
+    check: str
+    ok: Optional[bool]
+    """True pass, False fail, None not checked here (with the reason in `detail`)."""
+    detail: str
+
+    def line(self) -> str:
+        mark = {True: "ok  ", False: "FAIL", None: "skip"}[self.ok]
+        return f"  [{mark}] {self.check}: {self.detail}"
+
+
+def verifier_facts(cfg: Config) -> tuple[Optional[VerifierInfo], str]:
+    """The verifier's shape, from verifier.path or else `plan.verifier_config`."""
+    try:
+        return cfg.verifier_info, str(cfg.verifier_path)
+    except ConfigError as e:
+        if not cfg.plan.verifier_config:
+            return None, str(e)
+        copy = dataclasses.replace(cfg.verifier, path=cfg.plan.verifier_config)
+        return read_verifier_info(copy), f"{cfg.plan.verifier_config} (verifier not here)"
+
+
+def _tokens_per_char(cfg: Config) -> tuple[float, str]:
+    try:
+        from eagle3.verifier import load_tokenizer
+        tok = load_tokenizer(cfg)
+    except StageError:
+        return 0.25, "4 characters per token assumed (tokenizer not here)"
+    text = "The quick brown fox jumps over the lazy dog. " * 20 + "Résumé, 数据, 1234567."
+    return len(tok(text, add_special_tokens=False)["input_ids"]) / len(text), "verifier tokenizer"
+
+
+def data_estimate(cfg: Config) -> dict[str, Any]:
+    """Prompts, turns and tokens of stage 01's selection (sources read, answers estimated)."""
+    from eagle3.data import load_prompts
+
+    rows = load_prompts(cfg.data).rows
+    per_char, how = _tokens_per_char(cfg)
+    answer = cfg.plan.answer_fraction * cfg.generate.max_new_tokens
+    turns = [sum(m["role"] == "user" for m in r["messages"]) for r in rows]
+    prompt_chars = [sum(len(m["content"]) for m in r["messages"]) for r in rows]
+    tokens = [min(c * per_char + t * (answer + 16), cfg.data.max_seq_len)
+              for c, t in zip(prompt_chars, turns)]
+    return {"prompts": len(rows), "turns": sum(turns), "answer_tokens": answer,
+            "generated_tokens": sum(turns) * answer, "tokens": sum(tokens),
+            "tokens_max": len(rows) * cfg.data.max_seq_len, "token_source": how}
+
+
+def hidden_state_bytes(info: VerifierInfo, tokens: float) -> dict[str, float]:
+    from eagle3.shards import STORAGE, bytes_per_token
+    return {dtype: tokens * bytes_per_token(len(info.aux_layer_ids), info.hidden_size, dtype)
+            for dtype in STORAGE}
+
+
+def training_memory(cfg: Config, info: VerifierInfo) -> dict[str, float]:
+    """Bytes per GPU: fp32 weights + grads + AdamW moments of the trainable parameters (16 B
+    each; sharded over the GPUs under FSDP), the frozen embedding, the verifier's lm_head
+    (teacher, fp32); activations come on top."""
+    import torch
+
+    from eagle3.model import Eagle3DraftModel
+    from eagle3.train import draft_model_config
+
+    vd = min(cfg.vocab.draft_vocab_size, info.vocab_size)
+    with torch.device("meta"):
+        model = Eagle3DraftModel(draft_model_config(cfg, info.vocab_size, vd, info))
+    trainable = sum(p.numel() for n, p in model.named_parameters()
+                    if not n.startswith("embed_tokens"))
+    frozen = 4 * info.vocab_size * info.hidden_size * 2  # embedding + teacher head, fp32
+    return {"trainable_parameters": trainable, "ddp": 16 * trainable + frozen,
+            "fsdp": 16 * trainable / cfg.plan.gpus + frozen}
+
+
+def engine_commands(cfg: Config) -> dict[str, list[str]]:
+    from eagle3.bench import vllm_speculative_args
+    from eagle3.engines import server_command
+    from eagle3.hidden_states import vllm_layer_ids, vllm_server_args
+
+    out = {}
+    if cfg.generate.engine != "hf" and not cfg.generate.server_urls:
+        out["01 generate"] = server_command(
+            cfg.generate.engine, cfg, cfg.generate.server, str(cfg.verifier_path), 8000,
+            cfg.generate.server.max_model_len or cfg.data.max_seq_len + cfg.generate.max_new_tokens,
+            [])
+    info, _ = verifier_facts(cfg)
+    if cfg.hidden_states.backend == "vllm" and not cfg.hidden_states.server_url and info:
+        ids = vllm_layer_ids(list(info.aux_layer_ids), info.num_hidden_layers)
+        out["02 extract"] = server_command(
+            "vllm", cfg, cfg.hidden_states.server, str(cfg.verifier_path), 8001,
+            cfg.hidden_states.server.max_model_len or cfg.data.max_seq_len + 1,
+            vllm_server_args(ids, cfg.run_dir / "02_hidden_states" / ".vllm_hidden_states"))
+    depth = cfg.bench.num_speculative_tokens[0]
+    out[f"06 bench (depth {depth})"] = server_command(
+        "vllm", cfg, cfg.bench.server, str(cfg.verifier_path), 8002,
+        cfg.bench.server.max_model_len or 2048,
+        vllm_speculative_args(cfg.run_dir / "05_export" / "vllm", depth))
+    return out
+
+
+def _hours(work: float, rate: Optional[float]) -> str:
+    return f"{work / rate / 3600:.1f} h" if rate else "(set the plan section's rate for hours)"
+
+
+def _engine_version(python: str, module: str) -> Verdict:
+    try:
+        out = subprocess.run([python, "-c", f"import {module}; print({module}.__version__)"],
+                             capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return Verdict(f"{module} importable by {python}", False, str(e))
+    ok = out.returncode == 0
+    detail = out.stdout.strip() if ok else (out.stderr.strip().splitlines() or ["?"])[-1]
+    return Verdict(f"{module} importable by {python}", ok, detail[:160])
+
+
+def preflight(cfg: Config, needed_bytes: float) -> list[Verdict]:
+    """One verdict per check that can run without a GPU."""
+    verdicts = []
+    try:
+        info = cfg.verifier_info
+        verdicts.append(Verdict("verifier config", True, f"{info.architecture}, "
+                                f"{info.num_hidden_layers} layers, hidden {info.hidden_size}"))
+        verdicts.append(Verdict("aux ids in range", True, f"{list(info.aux_layer_ids)} of "
+                                f"1..{info.num_hidden_layers}"))
+    except ConfigError as e:
+        verdicts.append(Verdict("verifier config", False, str(e)))
+    verdicts.append(_tokenizer_verdict(cfg))
+    verdicts.append(_base_verdict(cfg))
+    probe = cfg.run_dir
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    verdicts.append(Verdict("free disk for hidden states", free >= needed_bytes * 1.1,
+                            f"{free / GB:.0f} GB free at {probe}, "
+                            f"{needed_bytes * 1.1 / GB:.0f} GB needed"))
+    engines = {("vllm" if cfg.generate.engine == "vllm" else "sglang"): cfg.generate.server
+               } if cfg.generate.engine != "hf" else {}
+    if cfg.hidden_states.backend == "vllm":
+        engines.setdefault("vllm", cfg.hidden_states.server)
+    engines.setdefault("vllm", cfg.bench.server)
+    for module, server in engines.items():
+        if server.command:
+            found = shutil.which(server.command[0])
+            verdicts.append(Verdict(f"{server.command[0]} on PATH", found is not None,
+                                    found or "not found"))
+        else:
+            verdicts.append(_engine_version(server.python or sys.executable, module))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        verdicts.append(Verdict("a local port for engine servers", True,
+                                f"127.0.0.1:{s.getsockname()[1]} bindable"))
+    return verdicts
+
+
+def _tokenizer_verdict(cfg: Config) -> Verdict:
+    from eagle3.data import render
+    from eagle3.verifier import load_tokenizer
+    try:
+        tok = load_tokenizer(cfg)
+        text = render(tok, THINKING, add_generation_prompt=False)
+    except StageError as e:
+        return Verdict("tokenizer + chat template", False, str(e)[:200])
+    kind = "slow" if not tok.is_fast else "fast"
+    has = "reasoning rendered" if "Add them." in text else "reasoning NOT rendered"
+    return Verdict("tokenizer + chat template", "Add them." in text,
+                   f"{type(tok).__name__} ({kind}), thinking conversation: {has}")
+
+
+def _base_verdict(cfg: Config) -> Verdict:
+    if not cfg.train.finetune_from:
+        return Verdict("base drafter shape", None, "no train.finetune_from")
+    if not Path(cfg.train.finetune_from).expanduser().is_dir():
+        return Verdict("base drafter shape", None, f"{cfg.train.finetune_from} not here")
+    from eagle3 import base_drafter
+    from eagle3.train import draft_model_config
+    try:
+        base = base_drafter.load(cfg.train.finetune_from)
+        ours = draft_model_config(cfg, base.shape.vocab_size, base.shape.draft_vocab_size)
+        diffs = [f"{k} {getattr(base.shape, k)} vs ours {getattr(ours, k)}" for k in
+                 ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                  "intermediate_size", "num_layers") if getattr(base.shape, k) != getattr(ours, k)]
+    except (StageError, ConfigError) as e:
+        return Verdict("base drafter shape", False, str(e)[:200])
+    return Verdict("base drafter shape", not diffs, "; ".join(diffs) or "equal to ours")
+
+
+def render_plan(cfg: Config) -> str:
+    info, source = verifier_facts(cfg)
+    if info is None:
+        raise ConfigError(f"{source}; to plan without the verifier, set plan.verifier_config "
+                          f"to a copy of its config.json")
+    d, p = data_estimate(cfg), cfg.plan
+    disk = hidden_state_bytes(info, d["tokens"])
+    disk_max = hidden_state_bytes(info, d["tokens_max"])
+    mem = training_memory(cfg, info)
+    train_tokens = d["tokens"] * (1 - cfg.train.val_fraction) * cfg.train.epochs
+    lines = [f"plan for {cfg.source} (run {cfg.run_dir}); verifier shape from {source}",
+             f"  {info.architecture}: {info.num_hidden_layers} layers, hidden {info.hidden_size}, "
+             f"vocab {info.vocab_size}, aux ids {list(info.aux_layer_ids)}", "",
+             f"01 generate: {d['prompts']} prompts"
+             + (f" (of data.num_samples={cfg.data.num_samples}: the sources have no more)"
+                if d["prompts"] < cfg.data.num_samples else "")
+             + f", {d['turns']} turns, ~{d['answer_tokens']:.0f} "
+             f"tokens per answer ({p.answer_fraction} x max_new_tokens), ~"
+             f"{d['generated_tokens'] / 1e6:.1f}M generated tokens: "
+             f"{_hours(d['generated_tokens'], p.generate_tok_s)}",
+             f"   samples ~{d['tokens'] / 1e6:.1f}M tokens (at most {d['tokens_max'] / 1e6:.1f}M"
+             f"; {d['token_source']})",
+             f"02 extract: ~{d['tokens'] / 1e6:.1f}M tokens: {_hours(d['tokens'], p.extract_tok_s)}"]
+    for dtype, nbytes in disk.items():
+        lines.append(f"   hidden states as {dtype}: ~{nbytes / 1e12:.2f} TB (at most "
+                     f"{disk_max[dtype] / 1e12:.2f} TB)")
+    lines += [f"04 train: {mem['trainable_parameters'] / 1e9:.2f}B trainable parameters; per "
+              f"GPU {mem['ddp'] / GB:.1f} GB under DDP, {mem['fsdp'] / GB:.1f} GB under FSDP over "
+              f"{p.gpus} GPUs (+ activations); {cfg.train.epochs} epochs ~"
+              f"{train_tokens / 1e6:.1f}M tokens: "
+              f"{_hours(train_tokens, (p.train_tok_s_per_gpu or 0) * p.gpus)}",
+              f"   checkpoints: ~{mem['trainable_parameters'] * 16 * (cfg.train.keep + 1) / GB:.0f}"
+              f" GB ({cfg.train.keep} kept + best, weights and AdamW moments)"]
+    lines += _proposals(cfg, disk, d)
+    lines += ["", "engine commands (port numbers are chosen at run time):"]
+    lines += [f"  {name}: {' '.join(cmd)}" for name, cmd in engine_commands(cfg).items()]
+    lines += ["", "preflight:"] + [v.line() for v in preflight(cfg, disk[cfg.hidden_states.dtype])]
+    return "\n".join(lines)
+
+
+def _proposals(cfg: Config, disk: dict[str, float], d: dict[str, Any]) -> list[str]:
+    need = disk[cfg.hidden_states.dtype]
+    if need < 1e12:
+        return []
+    per_sample = need / max(d["prompts"], 1)
+    return [f"   !! {need / 1e12:.1f} TB of hidden states: consider hidden_states.dtype=fp8_e4m3 "
+            f"({disk['fp8_e4m3'] / 1e12:.1f} TB), or a first run of "
+            f"data.num_samples={int(1e12 / per_sample)} (~1 TB) before the full one"]
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("config")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    try:
+        print(render_plan(load_config(args.config, args.overrides)))
+    except (ConfigError, StageError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""The Kimi-K2.5 path rehearsed on this machine: `make rehearse-kimi`.
+
+    python -m eagle3.rehearsal [configs/kimi-k2.5-rehearsal.yaml] [section.key=value ...]
+
+1. Builds the Kimi-shaped rehearsal verifier (eagle3.verifiers) if needed.
+2. Runs all six stages of the config: a fresh drafter (`<run.name>`).
+3. Writes that drafter in AQ-MedAI's published layout, twice (with and without
+   `embed_tokens`): a flat `LlamaForCausalLMEagle3` config with `eagle_config` aux ids written
+   as AQ-MedAI writes them (the HF indices, [2,30,58] for Kimi), `midlayer.*` keys, `d2t`, `t2d`,
+   `lm_head`, no `target_hidden_size` and no `norm_before_residual`.
+4. Runs stages 02-06 again for each, fine-tuning from that base (`train.finetune_from`)
+   (`<run.name>-ft`, `<run.name>-ft-embed`; same stage-01 data, copied), so the base's layout,
+   vocabulary map and aux-id convention (measured, as the production config asks) go through
+   the real code.
+5. Prints what each run's manifests record.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from eagle3.config import Config, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = "configs/kimi-k2.5-rehearsal.yaml"
+SCRIPTS = ["01_generate_data.py", "02_extract_hidden_states.py", "03_build_vocab_map.py",
+           "04_train.py", "05_fix_keys.py", "06_deploy_and_bench.py"]
+
+
+def write_aq_medai_layout(out: Path, cfg: Config, with_embed: bool) -> Path:
+    """The run's best checkpoint as AQ-MedAI publishes Kimi drafters (their config fields and
+    key names, scaled to this verifier)."""
+    from safetensors.torch import save_file
+
+    from eagle3 import checkpoint
+    from eagle3.formats import rename_key
+    from eagle3.verifier import read_tensor
+
+    c = checkpoint.load(checkpoint.resolve(cfg.run_dir / "04_train", "best"))
+    d = c.draft
+    tensors = {rename_key(k, "speculators", "sglang"): v.contiguous()
+               for k, v in c.weights.items()}
+    if with_embed:
+        tensors["embed_tokens.weight"] = read_tensor(cfg.verifier_path, "embed").contiguous()
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+        "hidden_size": d.hidden_size, "intermediate_size": d.intermediate_size,
+        "num_attention_heads": d.num_attention_heads,
+        "num_key_value_heads": d.num_key_value_heads, "head_dim": d.head_dim,
+        "num_hidden_layers": 1, "hidden_act": "silu", "rms_norm_eps": d.rms_norm_eps,
+        "rope_theta": d.rope_theta, "max_position_embeddings": d.max_position_embeddings,
+        "vocab_size": d.vocab_size, "draft_vocab_size": d.draft_vocab_size,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": c.aux_layer_ids,
+                         "use_aux_hidden_state": True},
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def run_stages(config: str, overrides: list[str], scripts: list[str]) -> None:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    for script in scripts:
+        cmd = [sys.executable, script, config, *overrides]
+        print(f"=== {' '.join(cmd[1:])}", flush=True)
+        if subprocess.run(cmd, cwd=REPO, env=env).returncode != 0:
+            sys.exit(f"rehearsal stopped: {script} failed (see above)")
+
+
+def summary(cfg: Config) -> dict[str, Any]:
+    """What the run's manifests say about the Kimi path."""
+    def manifest(stage: str) -> dict[str, Any]:
+        return json.loads((cfg.run_dir / stage / "manifest.json").read_text())
+
+    from eagle3.verifier import load_tokenizer
+
+    train, export = manifest("04_train"), manifest("05_export")
+    bench = json.loads((cfg.run_dir / "06_bench" / "results.json").read_text())
+    return {"run": cfg.run.name, "verifier": cfg.verifier_info.architecture,
+            "tokenizer": type(load_tokenizer(cfg)).__name__,
+            "data": manifest("01_data")["counts"]["samples"],
+            "aux_layer_ids": train["counts"]["aux_layer_ids"],
+            "finetune_from": train.get("finetune_from"),
+            "export_aux_ids": export["aux_layer_ids"],
+            "acceptance": {r["name"]: r["mean_acceptance_length"] for r in bench["results"]}}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from eagle3.verifiers import prepare_kimi_rehearsal
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    config = argv.pop(0) if argv and not argv[0].count("=") else DEFAULT_CONFIG
+    cfg = load_config(REPO / config, argv)
+    prepare_kimi_rehearsal(cfg.verifier_path)
+    run_stages(config, argv, SCRIPTS)
+    results = [summary(cfg)]
+    for name, embed in ((f"{cfg.run.name}-ft", False), (f"{cfg.run.name}-ft-embed", True)):
+        base = write_aq_medai_layout(cfg.run_dir.parent / f"{name}-base", cfg, embed)
+        overrides = [*argv, f"run.name={name}", f"train.finetune_from={base}"]
+        ft = load_config(REPO / config, overrides)
+        if not (ft.run_dir / "01_data").exists():
+            shutil.copytree(cfg.run_dir / "01_data", ft.run_dir / "01_data")
+        run_stages(config, overrides, SCRIPTS[1:])
+        results.append(summary(ft))
+    print(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
