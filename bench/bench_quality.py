@@ -3,7 +3,7 @@
     .venv/bin/python bench/bench_quality.py configs/smollm2-135m-quality.yaml [--k 3] [section.key=value ...]
 
 Stage 06 records, for each MT-bench prompt, the answer vLLM wrote with the drafter at K
-speculative tokens, and the engine's mean acceptance length over those drafts. This rebuilds
+speculative tokens (the greedy cell `results/vllm-K_1_K+1-c*-mtbench-t0.json`), and the engine's mean acceptance length over those drafts. This rebuilds
 the same conversations (prompt + served answer, rendered with the verifier's template),
 captures the verifier's aux and final states as stage 02 does (same dtype round trip), and
 runs the exported checkpoint (`export.checkpoint`) through the TTT metric with K steps:
@@ -49,18 +49,19 @@ def as_stored(aux: torch.Tensor, final: torch.Tensor, dtype: str,
 
 def served_samples(cfg, k: int) -> tuple[list[dict[str, list[int]]], dict]:
     """(input_ids and loss mask per served conversation, the engine's result for K=k)."""
-    result_path = Stage(cfg, 6).dir / "results" / f"k{k}.json"
-    if not result_path.is_file():
-        sys.exit(f"{result_path} missing: run `python 06_deploy_and_bench.py {cfg.source}` "
-                 f"with {k} in bench.num_speculative_tokens")
-    result = json.loads(result_path.read_text())
+    found = sorted((Stage(cfg, 6).dir / "results").glob(f"vllm-{k}_1_{k + 1}-c*-mtbench-t0.json"))
+    if not found:
+        sys.exit(f"no greedy MT-bench vLLM cell at depth {k} in {Stage(cfg, 6).dir}/results: run "
+                 f"`python 06_deploy_and_bench.py {cfg.source}` with {k} in the vllm engine's "
+                 f"depths and 0.0 in bench.temperature")
+    result = json.loads(found[0].read_text())
     max_tokens = result["settings"]["max_tokens"]
     tok = load_tokenizer(cfg)
     stop_ids = set(stop_token_ids(tok, cfg))
     samples = []
     for p in load_mtbench_prompts(result["num_requests"]):
-        answer = result["outputs"][str(p["question_id"])]
-        ids, mask = tokenize_conversation(tok, [{"role": "user", "content": p["prompt"]},
+        answer = result["outputs"][p["id"]]
+        ids, mask = tokenize_conversation(tok, [*p["messages"],
                                                 {"role": "assistant", "content": answer}],
                                           stop_ids)
         # An answer cut at max_tokens never produced the end-of-turn the template appends.

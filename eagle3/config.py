@@ -163,7 +163,7 @@ class DataConfig:
 @dataclass(frozen=True)
 class ServerConfig:
     """How one stage starts and talks to an engine server (vLLM or SGLang). Each stage that
-    uses an engine has its own (`generate.server`, `hidden_states.server`, `bench.server`):
+    uses an engine has its own (`generate.server`, `hidden_states.server`, `server` of each `bench.engines` entry):
     the engines pin their own torch, so production keeps each in its own environment."""
     python: Optional[str] = None
     """Python executable of the engine's environment; null = this interpreter."""
@@ -489,10 +489,14 @@ def _flag(args: list[str], name: str) -> Optional[str]:
     return None
 
 
+PAGED_MLA_BACKENDS = ("trtllm_mla", "flashmla", "cutedsl_mla", "tokenspeed_mla")
+"""SGLang attention backends that always page the KV cache (page size 32 or 64)."""
+
+
 def sglang_depth_problem(depth: Depth, extra_args: list[str]) -> Optional[str]:
-    """Why SGLang 0.5.23 would reject or silently rewrite `depth` with these server args
-    (arg_groups/speculative_hook.py; tests/test_sglang_engine.py runs SGLang's own code on the
-    same triples), or None."""
+    """Why SGLang 0.5.23 would reject, silently rewrite or fail on `depth` with these server
+    args, or None (docs/engines.md, "SGLang depths"; tests/test_sglang_engine.py runs SGLang's
+    own code on the same triples)."""
     if depth.topk == 1 and depth.draft_tokens != depth.steps + 1:
         return (f"topk 1 makes SGLang set draft_tokens to steps + 1 = {depth.steps + 1} "
                 f"(silently): write {depth.steps}/1/{depth.steps + 1}")
@@ -500,12 +504,14 @@ def sglang_depth_problem(depth: Depth, extra_args: list[str]) -> Optional[str]:
     if depth.topk > 1 and backend == "trtllm_mha":
         return "the trtllm_mha attention backend supports topk 1 only"
     page = int(_flag(extra_args, "--page-size") or 1)
-    if depth.topk > 1 and page > 1 and backend not in ("flashinfer", "fa3", "triton"):
-        return (f"topk > 1 with --page-size {page} needs --attention-backend flashinfer, fa3 "
-                f"or triton")
-    if depth.topk > 1 and depth.draft_tokens > depth.steps * depth.topk + 1:
-        return (f"a tree of {depth.steps} steps x topk {depth.topk} has at most "
-                f"{depth.steps * depth.topk + 1} draft tokens")
+    if depth.topk > 1 and (page > 1 or backend in PAGED_MLA_BACKENDS) and backend not in (
+            "flashinfer", "fa3", "triton"):
+        return ("a tree (topk > 1) on paged attention needs --attention-backend flashinfer, "
+                "fa3 or triton")
+    most = depth.topk + (depth.steps - 1) * depth.topk ** 2 + 1
+    if depth.topk > 1 and depth.draft_tokens > most:
+        return (f"a tree of {depth.steps} steps x topk {depth.topk} has {most - 1} candidates: "
+                f"at most {most} draft tokens (more fails at SGLang's first request)")
     return None
 
 

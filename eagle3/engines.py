@@ -1,9 +1,9 @@
 """Start, health-check and always stop vLLM/SGLang servers; HTTP clients with separate connect,
 first-answer and request deadlines. One module for every stage that uses an engine (01, 02, 06).
 
-    with start_server("vllm", cfg, cfg.bench.server, "bench.server", log_path,
+    with start_server("vllm", cfg, engine.server, "bench.engines[0].server", log_path,
                       max_model_len=2048, args=spec_args) as s:
-        text = http_get(s.url("/metrics"), cfg.bench.server)
+        text = http_get(s.url("/metrics"), engine.server)
     client = ChatClient(url, httpx_async_client, cfg.generate.server, max_retries=3,
                         backoff_s=1.0)
     reply = await client.chat({"model": name, "messages": msgs, "max_tokens": 64})

@@ -105,7 +105,7 @@ def training_memory(cfg: Config, info: VerifierInfo) -> dict[str, float]:
 
 
 def engine_commands(cfg: Config) -> dict[str, list[str]]:
-    from eagle3.bench import vllm_speculative_args
+    from eagle3.bench import engine_args
     from eagle3.engines import server_command
     from eagle3.hidden_states import vllm_layer_ids, vllm_server_args
 
@@ -122,11 +122,13 @@ def engine_commands(cfg: Config) -> dict[str, list[str]]:
             "vllm", cfg, cfg.hidden_states.server, str(cfg.verifier_path), 8001,
             cfg.hidden_states.server.max_model_len or cfg.data.max_seq_len + 1,
             vllm_server_args(ids, cfg.run_dir / "02_hidden_states" / ".vllm_hidden_states"))
-    depth = cfg.bench.num_speculative_tokens[0]
-    out[f"06 bench (depth {depth})"] = server_command(
-        "vllm", cfg, cfg.bench.server, str(cfg.verifier_path), 8002,
-        cfg.bench.server.max_model_len or 2048,
-        vllm_speculative_args(cfg.run_dir / "05_export" / "vllm", depth))
+    for engine in cfg.bench.engines:  # the first depth of each engine: the deepest, by habit
+        depth = engine.parsed_depths[0]
+        out[f"06 bench {engine.name} {depth.label}"] = server_command(
+            engine.name, cfg, engine.server, str(cfg.verifier_path), 8002,
+            engine.server.max_model_len or 2048,
+            engine_args(engine, depth, cfg.run_dir / "05_export" / engine.name,
+                        max(cfg.bench.concurrency)))
     return out
 
 
@@ -169,7 +171,8 @@ def preflight(cfg: Config, needed_bytes: float) -> list[Verdict]:
                } if cfg.generate.engine != "hf" else {}
     if cfg.hidden_states.backend == "vllm":
         engines.setdefault("vllm", cfg.hidden_states.server)
-    engines.setdefault("vllm", cfg.bench.server)
+    for engine in cfg.bench.engines:
+        engines.setdefault(engine.name, engine.server)
     for module, server in engines.items():
         if server.command:
             found = shutil.which(server.command[0])

@@ -156,7 +156,7 @@ def test_shallower_chains_predicted_from_the_deepest():
 @pytest.mark.parametrize("value,problem", [
     ("16/1/17", None), ("10/1/11", None), ("5/4/8", None), (3, None),
     ("4/1/8", "topk 1 makes SGLang set draft_tokens to steps + 1 = 5"),
-    ("3/2/9", "at most 7 draft tokens")])
+    ("3/2/11", None), ("3/2/12", "at most 11 draft tokens")])
 def test_sglang_depth_rules(value, problem):
     from eagle3.config import parse_depth, sglang_depth_problem
     got = sglang_depth_problem(parse_depth(value, "x"), [])

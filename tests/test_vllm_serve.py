@@ -12,9 +12,8 @@ import json
 import time
 
 import pytest
-from safetensors.torch import save_file
 
-from eagle3 import formats
+from eagle3 import checkpoint, formats
 from eagle3.model import DraftModelConfig, Eagle3DraftModel
 
 pytestmark = [pytest.mark.slow,
@@ -33,11 +32,11 @@ def test_random_drafter_serves_in_vllm(tmp_path, smollm2):
     cfg = make_config(
         tmp_path, smollm2, vocab={"draft_vocab_size": _DRAFT_VOCAB},
         export={"formats": ["vllm"]},
-        bench={"num_speculative_tokens": [3], "num_prompts": 3, "max_tokens": 16,
-               "concurrency": 3, "baseline": False, "max_model_len": 512,
-               "startup_timeout_s": 240.0, "extra_args": ["--enforce-eager", "--dtype",
-                                                          "bfloat16"],
-               "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}})
+        bench={"engines": [{"name": "vllm", "depths": [3], "baseline": False, "server": {
+            "max_model_len": 512, "startup_timeout_s": 240.0,
+            "extra_args": ["--enforce-eager", "--dtype", "bfloat16"],
+            "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}}}],
+            "num_prompts": 3, "max_tokens": 16, "concurrency": [3], "expect_trained": False})
     info = cfg.verifier_info
     draft = DraftModelConfig(
         hidden_size=info.hidden_size, target_hidden_size=info.hidden_size, num_aux=3,
@@ -51,24 +50,22 @@ def test_random_drafter_serves_in_vllm(tmp_path, smollm2):
     aux = list(info.aux_layer_ids)
 
     train = Stage(cfg, 4)
-    ckpt = train.dir / "step-1"
-    ckpt.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in model.trainable_state_dict().items()},
-              str(ckpt / "model.safetensors"))
-    (ckpt / "config.json").write_text(json.dumps(formats.speculators_config(
-        draft, aux, str(cfg.verifier_path), info.architecture)))
-    (ckpt / "draft_config.json").write_text(json.dumps(draft.to_dict() | {"aux_layer_ids": aux}))
-    (train.dir / "best").write_text("step-1\n")
+    train.dir.mkdir(parents=True)
+    spec = formats.speculators_config(draft, aux, formats.ExportContext(
+        str(cfg.verifier_path), info.architecture))
+    path = checkpoint.save(train.dir, 1, model.trainable_state_dict(), draft, aux, spec,
+                           {"world_size": 1})
+    checkpoint.set_best(train.dir, path)
     train.write_manifest(inputs={}, outputs={}, counts={}, started=time.time())
 
     run_export(Stage(cfg, 5))
     stage = Stage(cfg, 6)
     run_bench(stage)
 
-    result = json.loads((stage.dir / "results" / "k3.json").read_text())
+    result = json.loads((stage.dir / "results" / "vllm-3_1_4-c3-mtbench-t0.json").read_text())
     assert result["num_drafts"] > 0 and result["num_requests"] == 3
     assert result["per_position_acceptance"] and len(result["per_position_acceptance"]) == 3
-    log = (stage.dir / "logs" / "k3.log").read_text()
+    log = (stage.dir / "logs" / "vllm-3_1_4.log").read_text()
     assert f"Using auxiliary layers from speculative config: {tuple(aux)}" in log
     assert "Attempted to load weight" not in log  # exported in the serving dtype
     assert "Detected EAGLE model with distinct lm_head weights" in log

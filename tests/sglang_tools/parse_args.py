@@ -5,6 +5,10 @@
                          [--draft-config PRESET|FILE] [--json] -- \
         python -m sglang.launch_server --model-path /x/verifier \
         --speculative-algorithm EAGLE3 --speculative-draft-model-path /x/draft ...
+    python parse_args.py --cases cases.json      # many commands, one import of SGLang
+
+cases.json is a list of {"argv": [...], "platform", "target_config", "draft_config"}; the
+answer is one JSON list, per case the resolved fields or {"error", "message"}.
 
 What runs (all SGLang code, nothing re-implemented):
   * sglang.srt.server_args.prepare_server_args(argv)      server_args.py:668
@@ -223,6 +227,14 @@ def parse(argv: list[str], platform: str = "h100", target_config: str = "llama",
     return out
 
 
+def parse_or_error(case: dict) -> dict:
+    try:
+        return parse(list(case["argv"]), case.get("platform", "h100"),
+                     case.get("target_config", "llama"), case.get("draft_config", "eagle3"))
+    except (Exception, SystemExit) as e:  # SGLang rejected the arguments (argparse exits)
+        return {"error": type(e).__name__, "message": str(e)}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     ap.add_argument("--platform", choices=sorted(PLATFORMS), default="h100")
@@ -231,8 +243,14 @@ def main():
                          "only when --model-path has no config.json here")
     ap.add_argument("--draft-config", default="eagle3")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--cases", help="a JSON file of cases; prints a JSON list of answers")
     ap.add_argument("server_argv", nargs=argparse.REMAINDER)
     a = ap.parse_args()
+    if a.cases:
+        with open(a.cases) as f:
+            cases = json.load(f)
+        print(json.dumps([parse_or_error(c) for c in cases], default=str))
+        return
     server_argv = a.server_argv[1:] if a.server_argv[:1] == ["--"] else a.server_argv
     logging.disable(logging.NOTSET)
     try:

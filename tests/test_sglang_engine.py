@@ -1,0 +1,150 @@
+"""SGLang's own code judges the commands stage 06 builds and the depth rules our config applies.
+
+    .venv/bin/pytest tests/test_sglang_engine.py -q
+
+`make setup-sglang` installs SGLang 0.5.23 without its GPU dependencies in `.venv-sglang`;
+`tests/sglang_tools/parse_args.py` runs SGLang's argument parser and its whole resolution
+pipeline (what `python -m sglang.launch_server` does before loading a model) on a command, with
+the platform answered as an H100 or a B200. Nothing here re-implements SGLang: where our rule
+and SGLang disagree, the test fails.
+"""
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+SGLANG_PY = REPO / ".venv-sglang" / "bin" / "python"
+TOOLS = REPO / "tests" / "sglang_tools"
+KIMI = str(REPO / "configs" / "verifiers" / "kimi-k2.5" / "config.json")
+
+pytestmark = pytest.mark.skipif(not SGLANG_PY.is_file(),
+                                reason=".venv-sglang missing: make setup-sglang")
+
+
+def sglang_resolve(tmp_path: Path, cases: list[dict]) -> list[dict]:
+    """SGLang's resolved server args (or its error) for each case, in one SGLang process."""
+    path = tmp_path / "cases.json"
+    path.write_text(json.dumps(cases))
+    out = subprocess.run([str(SGLANG_PY), str(TOOLS / "parse_args.py"), "--cases", str(path)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def stage6_commands(cfg) -> list[tuple[str, list[str]]]:
+    """(depth, the launch command stage 06 runs) for every SGLang depth of the config."""
+    from eagle3 import bench, engines
+
+    out = []
+    for engine in cfg.bench.engines:
+        if engine.name != "sglang":
+            continue
+        for depth in engine.parsed_depths:
+            args = bench.engine_args(engine, depth, cfg.run_dir / "05_export" / "sglang",
+                                     max(cfg.bench.concurrency))
+            out.append((depth, engines.server_command(
+                "sglang", cfg, engine.server, str(cfg.verifier_path), 8002,
+                engine.server.max_model_len or 2048, args)))
+    return out
+
+
+@pytest.mark.parametrize("concurrency", [[1, 8, 32], [64]])
+def test_kimi_sweep_commands_survive_sglang_unchanged(tmp_path, concurrency):
+    """Every depth of configs/kimi-k2.5.yaml reaches SGLang's workers as we wrote it: EAGLE3,
+    our export, the same steps/topk/draft tokens, enough running requests for the largest
+    concurrency, on Hopper and on Blackwell (where Kimi's default attention is trtllm_mla)."""
+    from eagle3.config import load_config
+
+    cfg = load_config(REPO / "configs" / "kimi-k2.5.yaml", [f"bench.concurrency={concurrency}"])
+    commands = stage6_commands(cfg)
+    assert [d.label for d, _ in commands] == ["16/1/17", "10/1/11", "5/1/6", "3/1/4"]
+    cases = [{"argv": cmd, "platform": p, "target_config": KIMI}
+             for p in ("h100", "b200") for _, cmd in commands]
+    for case, got in zip(cases, sglang_resolve(tmp_path, cases)):
+        depth = commands[[c for _, c in commands].index(case["argv"])][0]
+        assert "error" not in got, (case["platform"], depth.label, got)
+        assert got["speculative_algorithm"] == "EAGLE3"
+        assert got["speculative_draft_model_path"] == str(cfg.run_dir / "05_export" / "sglang")
+        assert (got["speculative_num_steps"], got["speculative_eagle_topk"],
+                got["speculative_num_draft_tokens"]) == (depth.steps, depth.topk,
+                                                         depth.draft_tokens), depth.label
+        assert got["max_running_requests"] >= max(concurrency)
+        assert got["tp_size"] == 8 and got["reasoning_parser"] == "kimi_k2"
+        assert got["chat_template"] == str(REPO / "configs/templates/kimi-k2.5-thinking.jinja")
+
+
+# (depth, server extra args, platform): a spread of chains and trees around each rule.
+DEPTH_CASES = [
+    ("3/1/4", [], "h100"), ("16/1/17", [], "b200"), ("4/1/8", [], "h100"),
+    ("1/1/3", [], "b200"),
+    ("5/4/8", [], "h100"), ("3/2/9", [], "h100"), ("3/2/11", [], "h100"),
+    ("3/2/12", [], "h100"), ("2/4/21", [], "h100"), ("2/4/22", [], "h100"),
+    ("5/4/8", ["--attention-backend", "trtllm_mha"], "h100"),
+    ("5/4/8", ["--attention-backend", "flashinfer", "--page-size", "16"], "h100"),
+    ("5/4/8", ["--attention-backend", "triton", "--page-size", "16"], "h100"),
+    ("5/4/8", ["--attention-backend", "trtllm_mla"], "b200"),
+    ("5/4/8", ["--attention-backend", "flashmla"], "h100"),
+    ("5/4/8", ["--attention-backend", "cutedsl_mla"], "b200"),
+    ("5/4/8", ["--attention-backend", "tokenspeed_mla"], "b200"),
+    ("5/4/8", ["--attention-backend", "fa3", "--page-size", "64"], "h100"),
+    ("5/1/6", ["--attention-backend", "trtllm_mla"], "b200"),
+]
+
+
+def test_our_depth_rules_agree_with_sglang(tmp_path):
+    """A depth we accept reaches SGLang's workers unchanged; one we refuse is rejected or
+    rewritten by SGLang, or (too many draft tokens for the tree) fails its draft-tree code."""
+    from eagle3.config import parse_depth, sglang_depth_problem
+
+    cases = []
+    for label, extra, platform in DEPTH_CASES:
+        d = parse_depth(label, "x")
+        cases.append({"argv": ["--model-path", "/m", "--speculative-algorithm", "EAGLE3",
+                               "--speculative-draft-model-path", "/d",
+                               "--speculative-num-steps", str(d.steps),
+                               "--speculative-eagle-topk", str(d.topk),
+                               "--speculative-num-draft-tokens", str(d.draft_tokens), *extra],
+                      "platform": platform, "target_config": KIMI})
+    answers = sglang_resolve(tmp_path, cases)
+    depths = [parse_depth(label, "x") for label, _, _ in DEPTH_CASES]
+    fits = trees_fit([d for d in depths if d.topk > 1])
+    for (label, extra, platform), d, got in zip(DEPTH_CASES, depths, answers):
+        ours = sglang_depth_problem(d, extra)
+        kept = "error" not in got and (got["speculative_num_steps"], got["speculative_eagle_topk"],
+                                       got["speculative_num_draft_tokens"]) == (
+            d.steps, d.topk, d.draft_tokens)
+        runs = fits[(d.steps, d.topk, d.draft_tokens)] if d.topk > 1 else True
+        assert (ours is None) == (kept and runs), (label, extra, platform, ours, got)
+
+
+def trees_fit(depths) -> dict[tuple[int, int, int], bool]:
+    """Whether SGLang's draft-tree selection (speculative/eagle_utils.organize_draft_results,
+    which keeps the draft_tokens - 1 best of the tree's candidates) runs for each tree."""
+    trees = sorted({(d.steps, d.topk, d.draft_tokens) for d in depths})
+    script = f"""
+import json, sys; sys.path.insert(0, {str(TOOLS)!r})
+import sglang_cpu; sglang_cpu.install_torchvision_stub()
+import torch
+from sglang.srt.speculative.eagle_utils import organize_draft_results
+out = []
+for s, k, n in {trees!r}:
+    scores = [torch.rand(1, 1, k)] + [torch.rand(1, k, k) for _ in range(s - 1)]
+    tokens = [torch.randint(0, 100, (1, k))] + [torch.randint(0, 100, (1, k * k))
+                                                for _ in range(s - 1)]
+    parents = [torch.arange(-1, k).unsqueeze(0)] + [torch.arange(k * k).unsqueeze(0)
+                                                    for _ in range(s - 1)]
+    try:
+        organize_draft_results(scores, tokens, parents, n)
+        out.append(True)
+    except RuntimeError:
+        out.append(False)
+print(json.dumps(out))
+"""
+    out = subprocess.run([str(SGLANG_PY), "-c", script], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return dict(zip(trees, json.loads(out.stdout.strip().splitlines()[-1])))
