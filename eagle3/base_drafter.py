@@ -15,19 +15,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from safetensors import safe_open
 
 from eagle3.formats import (COMPILE_PREFIX, FORMATS, FormatError, detect_layout,
                             expected_tensors, rename_key, strip_compile_prefix,
                             tensor_problems, to_layout, vocab_map_problems)
 from eagle3.model import DraftModelConfig
 from eagle3.runs import StageError
+from eagle3.weights_io import (TensorLike, WeightFilesError, load as load_tensor,
+                               max_abs_difference, open_weights)
 
 
 class BaseDrafterError(StageError):
@@ -47,17 +47,17 @@ class BaseDrafter:
 
     `weights` holds everything but the vocabulary maps and the embedding (`fc.weight`,
     `layers.N.*`, `norm.weight`, `lm_head.weight`, and anything unexpected, kept so that
-    `check_base` can name it). Shape facts come from its config.json; where that is silent they
-    are read off the tensors.
+    `check_base` can name it), unread until used (`eagle3.weights_io`). Shape facts come from
+    its config.json; where that is silent they are read off the tensor headers.
     """
     path: Path
     layout: str
     """`sglang` (midlayer.*, flat LlamaForCausalLMEagle3 config), `speculators` (nested
     transformer_layer_config) or `vllm` (flat config, layers.N.* keys)."""
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, TensorLike]
     d2t: Optional[torch.Tensor]
     t2d: Optional[torch.Tensor]
-    embed: Optional[torch.Tensor]
+    embed: Optional[TensorLike]
     """`embed_tokens.weight` when the base ships one (it must equal the verifier's)."""
     shape: DraftModelConfig
     """Our model config with exactly the base's shape and numerics."""
@@ -77,60 +77,18 @@ class BaseDrafter:
         return fmt.internal_aux_ids(self.aux_layer_ids, target_arch, engine_version)
 
 
-_WEIGHT_CANDIDATES = ("model.safetensors.index.json", "model.safetensors",
-                      "pytorch_model.bin.index.json", "pytorch_model.bin")
-
-
-def _read_weights(path: Path, only: Optional[set[str]] = None) -> dict[str, torch.Tensor]:
-    """All tensors (or those named in `only`) of a single-file or sharded checkpoint."""
-    found = next((path / n for n in _WEIGHT_CANDIDATES if (path / n).is_file()), None)
-    if found is None:
-        raise BaseDrafterError(path, [f"no weights: expected one of "
-                                      f"{', '.join(_WEIGHT_CANDIDATES)}"])
-    if found.name.endswith(".index.json"):
-        try:
-            weight_map = json.loads(found.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError):
-            raise BaseDrafterError(path, [f"{found.name} is not a valid index (no "
-                                          f"weight_map)"]) from None
-        files: dict[Path, list[str]] = {}
-        for key, name in weight_map.items():
-            if only is None or _plain(key) in only:
-                files.setdefault(path / name, []).append(key)
-    else:
-        files = {found: []}
-    out: dict[str, torch.Tensor] = {}
-    for file, keys in files.items():
-        if not file.is_file():
-            raise BaseDrafterError(path, [f"shard {file.name} named in the index is missing"])
-        out.update(_read_file(path, file, keys, only))
-    return out
+def _read_weights(path: Path, only: Optional[set[str]] = None) -> dict[str, TensorLike]:
+    """The tensors (all, or those named in `only` after dropping packaging prefixes) of a
+    single-file or sharded checkpoint; lazy: nothing is read until used."""
+    try:
+        tensors = open_weights(path)
+    except WeightFilesError as e:
+        raise BaseDrafterError(path, e.problems) from None
+    return {k: v for k, v in tensors.items() if only is None or _plain(k) in only}
 
 
 def _plain(key: str) -> str:
     return key.removeprefix(COMPILE_PREFIX).removeprefix("model.")
-
-
-def _read_file(path: Path, file: Path, keys: list[str],
-               only: Optional[set[str]]) -> dict[str, torch.Tensor]:
-    wanted = lambda k: only is None or _plain(k) in only  # noqa: E731
-    try:
-        if file.suffix == ".safetensors":
-            with safe_open(str(file), "pt") as f:
-                return {k: f.get_tensor(k) for k in keys or f.keys() if wanted(k)}
-        # A pickled state dict: weights_only refuses anything but tensors and containers.
-        state = torch.load(file, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        reason = str(e).strip().splitlines()[-1] if str(e).strip() else "non-tensor objects"
-        raise BaseDrafterError(path, [
-            f"{file.name} holds more than tensors and was refused (weights_only loading: "
-            f"{reason[:160]}); convert it to safetensors from a trusted source"]) from None
-    except Exception as e:  # safetensors/torch raise their own types for a damaged file
-        raise BaseDrafterError(path, [f"{file.name} is unreadable ({type(e).__name__}: "
-                                      f"{str(e)[:160]}): truncated or damaged"]) from None
-    if not isinstance(state, dict):
-        raise BaseDrafterError(path, [f"{file.name} is not a state dict"])
-    return {k: v for k, v in state.items() if wanted(k)}
 
 
 def normalize_keys(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -198,7 +156,8 @@ def load(path: str | Path) -> BaseDrafter:
     except FormatError as e:
         raise BaseDrafterError(path, [str(e)]) from None
     weights = to_layout(tensors, "speculators")
-    d2t, t2d = weights.pop("d2t", None), weights.pop("t2d", None)
+    d2t, t2d = (None if weights.get(k) is None else load_tensor(weights.pop(k))
+                for k in ("d2t", "t2d"))
     embed = weights.pop("embed_tokens.weight", None)
 
     nested = _has_nested_config(cfg)
@@ -220,9 +179,9 @@ def load(path: str | Path) -> BaseDrafter:
         unsupported_flags=_unsupported(cfg, layer))
 
 
-def _shape(cfg: dict[str, Any], layer: dict[str, Any], weights: dict[str, torch.Tensor],
+def _shape(cfg: dict[str, Any], layer: dict[str, Any], weights: dict[str, TensorLike],
            d2t: Optional[torch.Tensor], t2d: Optional[torch.Tensor],
-           embed: Optional[torch.Tensor], aux: Optional[list[int]]) -> DraftModelConfig:
+           embed: Optional[TensorLike], aux: Optional[list[int]]) -> DraftModelConfig:
     """The base's shape and numerics: from its config, else read off its tensors."""
     nested = _has_nested_config(cfg)
     hidden, heads = int(layer["hidden_size"]), int(layer["num_attention_heads"])
@@ -292,12 +251,12 @@ def candidate_aux_ids(written: list[int], num_layers: int) -> dict[str, list[int
 def load_vocab(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     """Only the (d2t, t2d) of a base drafter, read without loading its other weights."""
     path = Path(path).expanduser()
-    tensors = _read_weights(path, only={"d2t", "t2d"})
+    tensors = {_plain(k): v for k, v in _read_weights(path, only={"d2t", "t2d"}).items()}
     missing = [k for k in ("d2t", "t2d") if k not in tensors]
     if missing:
         raise BaseDrafterError(path, [f"`{k}` missing: the base's vocabulary map is unknown"
                                       for k in missing])
-    return tensors["d2t"], tensors["t2d"]
+    return load_tensor(tensors["d2t"]), load_tensor(tensors["t2d"])
 
 
 def finetune_draft_config(draft_cfg: DraftModelConfig, base: BaseDrafter,
@@ -379,13 +338,7 @@ def check_base(base: BaseDrafter, draft_cfg: DraftModelConfig, verifier_embed: t
             base.d2t, base.t2d, base.d2t.numel(), base.shape.vocab_size)]
 
     if base.embed is not None:
-        if tuple(base.embed.shape) != tuple(verifier_embed.shape):
-            problems.append(f"`embed_tokens.weight` has shape {list(base.embed.shape)}, the "
-                            f"verifier's embedding {list(verifier_embed.shape)}")
-        elif not torch.equal(verifier_embed.to(base.embed.dtype), base.embed):
-            diff = float((verifier_embed.float() - base.embed.float()).abs().max())
-            problems.append(f"`embed_tokens.weight` differs from the verifier's embedding (max "
-                            f"abs diff {diff:.3g}): the base was trained for another verifier")
+        problems += embedding_problems(base.embed, verifier_embed)
 
     if d2t is not None and t2d is not None and not allow_remap and base.d2t is not None \
             and base.t2d is not None:
@@ -413,10 +366,25 @@ def base_state_dict(base: BaseDrafter, verifier_embed: torch.Tensor,
     The embedding is always the verifier's (equal to the base's when it ships one). `d2t`,
     `t2d` and `lm_head` replace the base's after a remap (`eagle3.vocab.remap_lm_head`).
     """
-    state = dict(base.weights)
+    state = {k: load_tensor(v) for k, v in base.weights.items()}
     state["embed_tokens.weight"] = verifier_embed
     state["d2t"] = d2t if d2t is not None else base.d2t
     state["t2d"] = t2d if t2d is not None else base.t2d
     if lm_head is not None:
         state["lm_head.weight"] = lm_head
     return state
+
+
+def embedding_problems(embed: TensorLike, verifier_embed: TensorLike) -> list[str]:
+    """A drafter's own `embed_tokens` against the verifier's: engines serve it with the
+    verifier's (docs/engines.md, "Embedding"), so a different one means it was trained for
+    another verifier (TorchSpec#38). Compared a block of rows at a time."""
+    if tuple(embed.shape) != tuple(verifier_embed.shape):
+        return [f"`embed_tokens.weight` has shape {list(embed.shape)}, the verifier's "
+                f"embedding {list(verifier_embed.shape)}"]
+    diff = max_abs_difference(embed, verifier_embed)
+    if diff > 0:
+        return [f"`embed_tokens.weight` differs from the verifier's embedding (max abs diff "
+                f"{diff:.3g}): the drafter was trained for another verifier, and engines serve "
+                f"it with the verifier's embedding (TorchSpec#38)"]
+    return []

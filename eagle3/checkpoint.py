@@ -35,6 +35,7 @@ from safetensors.torch import load_file, save_file
 from eagle3.model import DraftModelConfig
 from eagle3.runs import (StageError, atomic_dir, atomic_write_text, file_record, move_aside,
                          verify_files)
+from eagle3.weights_io import TensorLike, open_file
 
 log = logging.getLogger("eagle3")
 
@@ -52,7 +53,7 @@ class Checkpoint:
     draft: DraftModelConfig
     aux_layer_ids: list[int]
     """HF `output_hidden_states` indices the drafter was trained on."""
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, TensorLike]
     trainer_state: Optional[dict[str, Any]] = None
     """Only when loaded for resuming."""
 
@@ -145,8 +146,9 @@ def resolve(train_dir: Path, which: str, mode: str = "sha256") -> Path:
     return path
 
 
-def load(path: Path, with_trainer_state: bool = False) -> Checkpoint:
-    """A checkpoint's weights and shape facts (and its trainer state, to resume)."""
+def load(path: Path, with_trainer_state: bool = False, lazy: bool = False) -> Checkpoint:
+    """A checkpoint's weights and shape facts (and its trainer state, to resume); `lazy`
+    weights are read one at a time when used (eagle3.weights_io: exporting)."""
     record = _record(path)
     if record is None:
         raise StageError(f"{path} has no readable {RECORD}: not a checkpoint of this trainer")
@@ -156,7 +158,8 @@ def load(path: Path, with_trainer_state: bool = False) -> Checkpoint:
     return Checkpoint(path=path, step=int(record["step"]),
                       draft=DraftModelConfig.from_dict(record["draft"]),
                       aux_layer_ids=[int(i) for i in record["aux_layer_ids"]],
-                      weights=load_file(str(path / WEIGHTS)), trainer_state=state)
+                      weights=(open_file(path / WEIGHTS) if lazy else
+                               load_file(str(path / WEIGHTS))), trainer_state=state)
 
 
 def set_best(train_dir: Path, path: Path) -> None:

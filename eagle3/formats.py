@@ -20,7 +20,6 @@ format converts them. Used by stage 05, by the checkpoint writer (the speculator
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,10 +27,9 @@ from typing import Any, Callable, Literal, Mapping, Optional
 
 import numpy as np
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from eagle3.model import DraftModelConfig, Eagle3DraftModel
+from eagle3.weights_io import TensorLike, WeightFilesError, load, open_file, write_safetensors
 
 Layout = Literal["speculators", "sglang"]
 SglangRule = Literal["auto", "post-25454", "pre-25454"]
@@ -540,7 +538,7 @@ def clean_floats(obj: Any) -> Any:
     return obj
 
 
-def export_state_dict(state: Mapping[str, torch.Tensor], fmt: str) -> dict[str, torch.Tensor]:
+def export_state_dict(state: Mapping[str, TensorLike], fmt: str) -> dict[str, TensorLike]:
     """A training state dict (any layout, maybe compiled) -> the keys `fmt` ships."""
     spec = get_format(fmt)
     state = strip_compile_prefix(state)
@@ -549,26 +547,25 @@ def export_state_dict(state: Mapping[str, torch.Tensor], fmt: str) -> dict[str, 
     return to_layout(state, spec.layout)
 
 
-def write_export(directory: Path, fmt: str, state: Mapping[str, torch.Tensor],
+def write_export(directory: Path, fmt: str, state: Mapping[str, TensorLike],
                  draft: DraftModelConfig, aux_layer_ids: list[int], ctx: ExportContext,
                  dtype: Optional[str] = None) -> None:
     """Write config.json + model.safetensors of `fmt` into an existing (temporary) directory.
 
-    `dtype` (e.g. "bfloat16") casts the float weights; d2t/t2d keep int64/bool.
+    `state` values may be lazy (`eagle3.weights_io.LazyTensor`): each is read, cast and
+    written in turn. `dtype` (e.g. "bfloat16") casts the float weights; d2t/t2d keep
+    int64/bool.
     """
     config = get_format(fmt).config(draft, aux_layer_ids, ctx)
     tensors = export_state_dict(state, fmt)
-    if dtype is not None:
-        target = getattr(torch, dtype)
-        tensors = {k: v.to(target) if v.is_floating_point() else v for k, v in tensors.items()}
-    dtypes = {str(v.dtype).removeprefix("torch.") for v in tensors.values()
+    cast = {k: getattr(torch, dtype) for k, v in tensors.items()
+            if dtype is not None and v.is_floating_point()}
+    floats = {str(cast.get(k, v.dtype)).removeprefix("torch.") for k, v in tensors.items()
               if v.is_floating_point()}
-    if len(dtypes) == 1:
-        config["dtype"] = dtypes.pop()
-    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
-    # safetensors creates the file 0600; engines often run as another user (containers).
-    os.chmod(directory / WEIGHTS_FILE, 0o644)
+    if len(floats) == 1:
+        config["dtype"] = floats.pop()
+    # One tensor in memory at a time (a Kimi-size drafter is 5 GB): weights_io streams it.
+    write_safetensors(directory / WEIGHTS_FILE, tensors, cast, {"format": "pt"})
     (directory / CONFIG_FILE).write_text(json.dumps(clean_floats(config), indent=2) + "\n")
 
 
@@ -626,11 +623,9 @@ def validate_export(directory: Path, fmt: str, draft: DraftModelConfig,
     if not weights_path.is_file():
         raise ExportValidationError(directory, fmt, problems + [f"{WEIGHTS_FILE} missing"])
     try:
-        with safe_open(str(weights_path), framework="pt") as f:
-            tensors = {key: f.get_tensor(key) for key in f.keys()}
-    except Exception as e:  # safetensors' own error type: truncated or damaged
-        raise ExportValidationError(directory, fmt, problems + [
-            f"{WEIGHTS_FILE} unreadable ({type(e).__name__}: {e})"]) from None
+        tensors = open_file(weights_path)  # headers only; each tensor is read once below
+    except WeightFilesError as e:
+        raise ExportValidationError(directory, fmt, problems + e.problems) from None
     keys = set(tensors)
     if cfg:
         problems += spec.config_problems(cfg, draft, aux_layer_ids, ctx)
@@ -649,18 +644,18 @@ def validate_export(directory: Path, fmt: str, draft: DraftModelConfig,
     expected = {k: v for k, v in expected_tensors(draft, layout).items()
                 if k not in ("d2t", "lm_head.weight") or k in keys}  # reported above
     problems += tensor_problems(expected, tensors, ignore_unexpected=hazard)
-    nonfinite = [k for k, t in tensors.items() if t.is_floating_point()
-                 and not bool(torch.isfinite(t).all())]
+    nonfinite = [k for k, t in sorted(tensors.items()) if t.is_floating_point()
+                 and not bool(torch.isfinite(load(t)).all())]
     problems += [f"`{k}` has NaN or infinite values" for k in nonfinite]
     if "d2t" in tensors and "t2d" in tensors:
-        problems += vocab_map_problems(tensors["d2t"], tensors["t2d"], draft.draft_vocab_size,
-                                       draft.vocab_size)
+        problems += vocab_map_problems(load(tensors["d2t"]), load(tensors["t2d"]),
+                                       draft.draft_vocab_size, draft.vocab_size)
     if problems:
         raise ExportValidationError(directory, fmt, problems)
     return _summary(fmt, layout, tensors, draft, aux_layer_ids, ctx)
 
 
-def _summary(fmt: str, layout: str, tensors: dict[str, torch.Tensor], draft: DraftModelConfig,
+def _summary(fmt: str, layout: str, tensors: dict[str, TensorLike], draft: DraftModelConfig,
              aux_layer_ids: list[int], ctx: ExportContext) -> dict[str, Any]:
     spec = get_format(fmt)
     return {

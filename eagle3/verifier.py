@@ -23,6 +23,7 @@ import torch
 
 from eagle3.config import Config, expand_path
 from eagle3.runs import StageError, safetensors_header
+from eagle3.weights_io import LazyTensor, WeightFilesError, open_file
 
 # End-of-turn tokens of common templates. With the tokenizer's EOS and the generation config's
 # EOS ids they are the ids that close an assistant turn (those the tokenizer knows as tokens).
@@ -170,8 +171,16 @@ def _safetensors_keys(path: Path) -> list[str]:
 def read_tensor(verifier: Path, what: str) -> torch.Tensor:
     """The verifier's `embed`, `lm_head` (tied heads fall back to the embedding) or final
     `norm` weight, reading only that tensor from disk."""
-    from safetensors import safe_open
+    t = lazy_tensor(verifier, what)
+    try:
+        return t.load()
+    except Exception as e:  # a truncated file fails here, not at open
+        raise StageError(f"verifier weights {t.file} are unreadable ({_first_line(e)}): "
+                         f"truncated or damaged; restore them") from None
 
+
+def lazy_tensor(verifier: Path, what: str) -> LazyTensor:
+    """`read_tensor`'s tensor, unread (shape and dtype from the file header)."""
     files = weight_files(verifier)
     names = TENSOR_NAMES[what] + (TENSOR_NAMES["embed"] if what == "lm_head" else [])
     for name in names:
@@ -179,12 +188,10 @@ def read_tensor(verifier: Path, what: str) -> torch.Tensor:
             if not files[name].is_file():
                 raise StageError(f"verifier shard {files[name]} (named in the index) is missing")
             try:
-                with safe_open(str(files[name]), "pt") as f:
-                    return f.get_tensor(name)
-            except Exception as e:  # a truncated file fails here, not at open
+                return open_file(files[name])[name]
+            except WeightFilesError as e:
                 raise StageError(f"verifier weights {files[name]} are unreadable "
-                                 f"({_first_line(e)}): truncated or damaged; restore them") \
-                    from None
+                                 f"({e.problems[0]}); restore them") from None
     raise StageError(f"verifier {verifier} has no {what} tensor (looked for {', '.join(names)})")
 
 

@@ -24,6 +24,7 @@ from eagle3.base_drafter import load_vocab as load_base_vocab
 from eagle3.formats import ExportContext, write_export
 from eagle3.model import DraftModelConfig, Eagle3DraftModel, causal_doc_mask
 from eagle3.vocab import remap_lm_head
+from eagle3.weights_io import load as load_tensor
 from test_formats import rewrite
 
 _V, _VD, _H = 120, 40, 32
@@ -334,7 +335,7 @@ def test_remapped_model_scores_shared_tokens_like_the_base(tmp_path):
     base = load_base_drafter(base_dir)
     other = random_model(seed=1)
     verifier_head = torch.randn(_V, _H)
-    head = remap_lm_head(base.weights["lm_head.weight"], base.d2t, other.d2t, verifier_head)
+    head = remap_lm_head(load_tensor(base.weights["lm_head.weight"]), base.d2t, other.d2t, verifier_head)
     check_base(base, DRAFT, ref.embed_tokens.weight, other.d2t, other.t2d, allow_remap=True)
     model = Eagle3DraftModel(DRAFT)
     model.load_state_dict(base_state_dict(base, ref.embed_tokens.weight, other.d2t, other.t2d,

@@ -148,3 +148,111 @@ print(json.dumps(out))
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     return dict(zip(trees, json.loads(out.stdout.strip().splitlines()[-1])))
+
+
+# ---------------------------------------------------------------------------------------------
+# SGLang's loader judges our SGLang exports: tests/sglang_tools/load_weights.py builds SGLang's
+# own LlamaForCausalLMEagle3 on CPU (a one-process gloo group stands in for its distributed
+# set-up), fills every parameter with NaN, runs SGLang's loader on the export, and calls
+# SGLang's own aux-id resolution and `set_eagle3_layers_to_capture` on tiny real Llama and
+# DeepSeek-V3 targets.
+
+
+def sglang_load(tmp_path: Path, export: Path, aux: list[int], layers: int = 8) -> dict:
+    out = tmp_path / f"load-{export.parent.name}-{export.name}.json"
+    run = subprocess.run([str(SGLANG_PY), str(TOOLS / "load_weights.py"), str(export),
+                          "--target-layers", str(layers), "--aux", ",".join(map(str, aux)),
+                          "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def fake_verifier(tmp_path: Path, arch: str, vocab: int = 1000, hidden: int = 64) -> Path:
+    """A verifier config only (the converter reads no verifier weight when the drafter ships no
+    embedding)."""
+    d = tmp_path / f"verifier-{arch}"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "architectures": [arch], "model_type": "llama", "hidden_size": hidden,
+        "num_hidden_layers": 8, "vocab_size": vocab, "num_attention_heads": 4,
+        "intermediate_size": 96}))
+    return d
+
+
+def exported(tmp_path: Path, arch: str, internal: list[int], *extra: str) -> tuple[Path, dict]:
+    """A random drafter trained (say) on HF layers `internal` of a verifier of `arch`, written in
+    the vLLM layout and converted by `05_fix_keys.py --from` (bf16, as served: SGLang loads a
+    float32 config as float16 under `--dtype auto`)."""
+    import torch
+    from test_convert import convert_dir, draft_config
+
+    from eagle3.formats import ExportContext, write_export
+    from eagle3.model import Eagle3DraftModel
+
+    verifier = fake_verifier(tmp_path, arch)
+    torch.manual_seed(0)
+    model = Eagle3DraftModel(draft_config(1000))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+        chosen = torch.randperm(1000)[:512].sort().values
+        model.d2t.copy_(chosen - torch.arange(512))
+        model.t2d.zero_()
+        model.t2d[chosen] = True
+    src = tmp_path / "src"
+    src.mkdir()
+    write_export(src, "vllm", model.trainable_state_dict(), model.cfg, internal,
+                 ExportContext(str(verifier), arch))
+    report = convert_dir(src, tmp_path / "out", "--verifier", str(verifier), "--dtype",
+                         "bfloat16", *extra)
+    return tmp_path / "out", report
+
+
+def assert_loaded_whole(result: dict) -> None:
+    """Every parameter SGLang has came from the checkpoint (the embedding from the verifier),
+    and SGLang's hot-token map is arange + d2t."""
+    for row in result["params"]:
+        if row["param"] == "model.embed_tokens.weight":
+            continue
+        assert row["status"] == "written" and row["value"] == "== checkpoint", row
+    assert result["embed_after_set_embed"] == "replaced by the target's embedding (set_embed)"
+    assert result["hot_token_id"]["equals_arange_plus_d2t"] is True
+    assert result["ignored_checkpoint_keys"] == ["d2t", "t2d"]
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "vllm"])
+def test_sglang_loads_both_key_layouts_for_a_llama_verifier(tmp_path, fmt):
+    """Our SGLang export (midlayer.*) and our vLLM export (layers.0.*, which SGLang 0.5.23 maps)
+    load whole; the SGLang export's ids capture the trained layers on a Llama target."""
+    out, report = exported(tmp_path, "LlamaForCausalLM", [2, 4, 6])
+    written = report["formats"]["sglang"]["aux_layer_ids_written"]
+    result = sglang_load(tmp_path, out / fmt, written)
+    assert_loaded_whole(result)
+    if fmt == "sglang":
+        assert written == [1, 3, 5]
+        assert result["aux"][0]["llama"] == [2, 4, 6]
+
+
+@pytest.mark.parametrize("internal,rule,valid", [
+    ([2, 4, 6], "auto", ["pre-25454", "post-25454"]),   # written [1,3,5]: both SGLangs
+    ([3, 5, 6], "auto", ["post-25454"]),                 # written as is: no robust choice
+    ([3, 5, 6], "pre-25454", ["pre-25454"]),             # written [2,4,5] for old SGLang
+])
+def test_sglang_captures_the_trained_layers_of_a_deepseek_family_verifier(tmp_path, internal,
+                                                                          rule, valid):
+    """DeepSeek-V3 / Kimi targets add one only when the first id is 1 (SGLang >= PR #25454);
+    SGLang before it added one always, as its Llama target still does, so that target's capture
+    stands in for old SGLang's DeepSeek code."""
+    out, report = exported(tmp_path, "DeepseekV3ForCausalLM", internal, "--formats", "sglang",
+                           "--sglang-aux-ids", rule)
+    record = report["formats"]["sglang"]
+    assert record["aux_ids_valid_for"] == [f"sglang {v}" for v in valid]
+    result = sglang_load(tmp_path, out / "sglang", record["aux_layer_ids_written"])
+    assert_loaded_whole(result)
+    captured = {"post-25454": result["aux"][0]["deepseek_v3"],
+                "pre-25454": result["aux"][0]["llama"]}
+    for version in valid:
+        assert captured[version] == internal, (version, captured)
+    for version in set(captured) - set(valid):
+        assert captured[version] != internal
+    assert "real DeepseekV3ForCausalLM" in result["deepseek_target"]
