@@ -313,8 +313,9 @@ def _digest(obj: Any) -> str:
 def cell_settings(stage: Stage, engine: BenchEngineConfig, cell: Cell,
                   prompts: list[dict[str, Any]]) -> dict[str, Any]:
     """Everything a saved cell depends on: a change of any of them redoes exactly that cell."""
-    server = {k: v for k, v in stage.cfg.to_dict()["bench"]["engines"][
-        stage.cfg.bench.engines.index(engine)]["server"].items() if not k.endswith("timeout_s")}
+    entry = stage.cfg.to_dict()["bench"]["engines"][stage.cfg.bench.engines.index(engine)]
+    server = {k: v for k, v in entry["server"].items()
+              if not k.endswith("timeout_s") and k != "port"}  # neither changes a result
     return {"engine": engine.name, "server": server, "tp": engine.tp, "draft_tp": engine.draft_tp,
             "depth": cell.run, "concurrency": cell.concurrency, "temperature": cell.temperature,
             "max_tokens": stage.cfg.bench.max_tokens, "prompts": _digest(prompts),

@@ -163,8 +163,9 @@ class DataConfig:
 @dataclass(frozen=True)
 class ServerConfig:
     """How one stage starts and talks to an engine server (vLLM or SGLang). Each stage that
-    uses an engine has its own (`generate.server`, `hidden_states.server`, `server` of each `bench.engines` entry):
-    the engines pin their own torch, so production keeps each in its own environment."""
+    uses an engine has its own (`generate.server`, `hidden_states.server`, the `server` of each
+    `bench.engines` entry): the engines pin their own torch, so production keeps each in its
+    own environment."""
     python: Optional[str] = None
     """Python executable of the engine's environment; null = this interpreter."""
     command: Optional[list[str]] = None
@@ -177,6 +178,8 @@ class ServerConfig:
     """Extra environment variables of the server process."""
     max_model_len: Optional[int] = None
     """Context length of the started server; null = what the stage needs."""
+    port: Optional[int] = None
+    """Port of the started server on 127.0.0.1; null = a free one, chosen at start."""
     startup_timeout_s: float = 1800.0
     """Give up when a started server is not healthy after this many seconds (a 1T-parameter
     verifier takes 20+ minutes to load on 8 GPUs: give it an hour)."""
@@ -197,6 +200,8 @@ class ServerConfig:
             raise ConfigError("server.command: give the command as a list, or null")
         if self.max_model_len is not None:
             _positive("server.max_model_len", self.max_model_len)
+        if self.port is not None and not 0 < self.port < 65536:
+            raise ConfigError(f"server.port must be in 1..65535, got {self.port}")
 
 
 @dataclass(frozen=True)
@@ -356,6 +361,16 @@ class TrainConfig:
     """Training-time-test unroll depth."""
     step_decay: float = 0.8
     """Loss weight of TTT step k is step_decay**k."""
+    loss: Literal["kl", "lk_alpha", "lk_lambda"] = "kl"
+    """TTT step loss (eagle3/ttt.py): `kl`, soft cross-entropy against the verifier over the
+    draft vocabulary; `lk_alpha`, -log of the acceptance probability sum min(p, q); `lk_lambda`,
+    the KL/acceptance blend with lambda = exp(-lk_eta * mean acceptance) (the LK losses of
+    arXiv 2602.23881). Results per objective: bench/RESULTS.md."""
+    lk_eta: float = 3.0
+    """eta of `lk_lambda` (the LK paper's best)."""
+    estimate_temperature: Optional[float] = 1.0
+    """Validation also reports the expected acceptance length of speculative sampling at this
+    temperature (`est_accept_len_sampled`); null = greedy estimate only. Metrics only."""
     batch_tokens: int = 2048
     """Token budget of one packed micro-batch."""
     grad_accum: int = 1
@@ -677,6 +692,32 @@ def text_config(raw: dict[str, Any]) -> dict[str, Any]:
     return text if isinstance(text, dict) else raw
 
 
+def rope_theta_of(text: dict[str, Any], path: Path) -> float:
+    """The verifier's RoPE base, from every layout transformers 5 writes: `rope_parameters`
+    with `rope_theta`; `rope_parameters` per layer type (`full_attention` wins: the drafter's
+    attention is global); a flat `rope_theta` (also beside DeepSeek/Kimi's YaRN
+    `rope_scaling`). Anything else is an error, never a default."""
+    params = text.get("rope_parameters")
+    if isinstance(params, dict) and "rope_theta" in params:
+        return float(params["rope_theta"])
+    if isinstance(params, dict) and params and all(isinstance(v, dict)
+                                                   for v in params.values()):
+        thetas = {k: v.get("rope_theta") for k, v in params.items()}
+        if thetas.get("full_attention") is not None:
+            return float(thetas["full_attention"])
+        if len(set(thetas.values())) == 1 and None not in thetas.values():
+            return float(next(iter(thetas.values())))
+        raise ConfigError(f"verifier.path: {path}/config.json sets RoPE per layer type {thetas} "
+                          f"with no `full_attention` entry: cannot tell which the drafter "
+                          f"should use")
+    if isinstance(text.get("rope_theta"), (int, float)):
+        return float(text["rope_theta"])
+    raise ConfigError(f"verifier.path: {path}/config.json has no RoPE base in a layout this "
+                      f"pipeline reads (`rope_theta`, `rope_parameters.rope_theta`, "
+                      f"`rope_parameters.<layer type>.rope_theta`); found rope_parameters="
+                      f"{params!r}: fix the config")
+
+
 def read_verifier_info(verifier: VerifierConfig) -> VerifierInfo:
     path = Path(expand_path(verifier.path))
     raw = read_verifier_config(path)
@@ -697,7 +738,6 @@ def read_verifier_info(verifier: VerifierConfig) -> VerifierInfo:
         raise ConfigError(f"verifier.aux_layer_ids: {bad} outside [1, {n}] (HF "
                           f"output_hidden_states indices for a {n}-layer verifier)")
     heads = text["num_attention_heads"]
-    rope = text.get("rope_parameters") or {}
     return VerifierInfo(
         architecture=arch,
         hidden_size=text["hidden_size"],
@@ -708,7 +748,7 @@ def read_verifier_info(verifier: VerifierConfig) -> VerifierInfo:
         head_dim=text.get("head_dim") or text["hidden_size"] // heads,
         intermediate_size=text["intermediate_size"],
         rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(text.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+        rope_theta=rope_theta_of(text, path),
         max_position_embeddings=int(text.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings",
                                                                           False))),

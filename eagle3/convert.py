@@ -133,9 +133,10 @@ def _problems(base: base_drafter.BaseDrafter, verifier: Optional[str], internal:
     shape = base.shape
     problems = list(base.unsupported_flags)
     if "lm_head.weight" not in base.weights:
-        problems.append(f"`lm_head.weight` missing: engines would score its {shape.draft_vocab_size}"
-                        f"-token draft vocabulary with the verifier's full head (sglang#27829); "
-                        f"export from the training checkpoint that has it")
+        problems.append(f"`lm_head.weight` missing: engines would score its "
+                        f"{shape.draft_vocab_size}-token draft vocabulary with the verifier's "
+                        f"full head (sglang#27829); export from the training checkpoint that "
+                        f"has it")
     expected = formats.expected_tensors(shape, "speculators")
     present = {k: v for k, v in base.weights.items() if k != "lm_head.weight"}
     expected.pop("d2t"), expected.pop("t2d"), expected.pop("lm_head.weight")

@@ -272,7 +272,7 @@ def start_server(engine: str, cfg: Config, server: ServerConfig, section: str, l
     process group with the section's env, wait for health, yield the Server, and always stop
     the whole group on exit. `section` names the config section in messages."""
     model_path = str(model or cfg.verifier_path)
-    port = free_port()
+    port = server.port or free_port()
     cmd = server_command(engine, cfg, server, model_path, port, max_model_len, list(args))
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log.info("starting %s on port %d (log %s): %s", engine, port, log_path, " ".join(cmd))

@@ -66,7 +66,7 @@ from eagle3.shards import (AUX_CONVENTION, FINAL_STATE, FORMAT, INDEX, STORAGE,
                            write_shard)
 from eagle3.config import ServerConfig
 from eagle3.engines import base_url, http_post_json, served_model, start_server
-from eagle3.verifier import load_text_decoder, read_tensor
+from eagle3.verifier import load_final_norm, load_text_decoder
 
 log = logging.getLogger("eagle3")
 
@@ -199,25 +199,20 @@ def vllm_server_args(layer_ids: list[int], storage: Path) -> list[str]:
             "--no-enable-prefix-caching"]
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The Llama/DeepSeek final RMSNorm, computed as transformers does (fp32, then cast)."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight.float() * h
-
-
 class VllmExtractor:
     """Sends each sample to an extraction server; returns (aux, post-norm final) per sample."""
 
     def __init__(self, url: str, aux_ids: list[int], num_layers: int,
-                 norm_weight: torch.Tensor, eps: float, server: ServerConfig,
-                 concurrency: int) -> None:
+                 norm: torch.nn.Module, server: ServerConfig, concurrency: int) -> None:
         self.url = base_url(url)
         self.aux_ids = aux_ids
         self.layer_ids = vllm_layer_ids(aux_ids, num_layers)
         self.aux_slots = [self.layer_ids.index(j) for j in aux_ids]
         self.final_slot = self.layer_ids.index(num_layers)
-        self.norm_weight, self.eps = norm_weight, eps
+        self.norm = norm
+        """The verifier's own final norm (eagle3.verifier.load_final_norm), applied in the
+        verifier's dtype as its forward does."""
+        self.norm_dtype = next(norm.parameters()).dtype
         self.server, self.concurrency = server, concurrency
         self.model = served_model(self.url, server)
 
@@ -260,7 +255,8 @@ class VllmExtractor:
                              f"expected [{len(ids)}, {len(self.layer_ids)}, hidden]; was the "
                              f"server started with layer ids {self.layer_ids}?")
         aux = states[:, self.aux_slots].reshape(len(ids), -1)
-        final = rms_norm(states[:, self.final_slot], self.norm_weight, self.eps)
+        with torch.no_grad():
+            final = self.norm(states[:, self.final_slot].to(self.norm_dtype))
         return aux, final
 
     def capture(self, sample_ids: list[str],
@@ -273,11 +269,11 @@ class VllmExtractor:
 def _vllm_extractor(stage: Stage, aux_ids: list[int], max_len: int) -> Iterator[VllmExtractor]:
     cfg, hs = stage.cfg, stage.cfg.hidden_states
     info = cfg.verifier_info
-    norm = read_tensor(cfg.verifier_path, "norm")
+    norm = load_final_norm(cfg.verifier_path, cfg.verifier.dtype, cfg.verifier.trust_remote_code)
 
     def make(url: str) -> VllmExtractor:
-        return VllmExtractor(url, aux_ids, info.num_hidden_layers, norm, info.rms_norm_eps,
-                             hs.server, hs.concurrency)
+        return VllmExtractor(url, aux_ids, info.num_hidden_layers, norm, hs.server,
+                             hs.concurrency)
 
     if hs.server_url:
         yield make(hs.server_url)

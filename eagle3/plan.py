@@ -241,7 +241,8 @@ def render_plan(cfg: Config) -> str:
              f"{_hours(d['generated_tokens'], p.generate_tok_s)}",
              f"   samples ~{d['tokens'] / 1e6:.1f}M tokens (at most {d['tokens_max'] / 1e6:.1f}M"
              f"; {d['token_source']})",
-             f"02 extract: ~{d['tokens'] / 1e6:.1f}M tokens: {_hours(d['tokens'], p.extract_tok_s)}"]
+             f"02 extract: ~{d['tokens'] / 1e6:.1f}M tokens: "
+             f"{_hours(d['tokens'], p.extract_tok_s)}"]
     for dtype, nbytes in disk.items():
         lines.append(f"   hidden states as {dtype}: ~{nbytes / 1e12:.2f} TB (at most "
                      f"{disk_max[dtype] / 1e12:.2f} TB)")

@@ -1,6 +1,7 @@
 """The Kimi-K2.5 path rehearsed on this machine: `make rehearse-kimi`.
 
-    python -m eagle3.rehearsal [configs/kimi-k2.5-rehearsal.yaml] [section.key=value ...]
+    python -m eagle3.rehearsal [configs/kimi-k2.5-rehearsal.yaml] [--variants ft,ft-embed]
+                               [section.key=value ...]
 
 1. Builds the Kimi-shaped rehearsal verifier (eagle3.verifiers) if needed.
 2. Runs all six stages of the config: a fresh drafter (`<run.name>`).
@@ -8,11 +9,13 @@
    `embed_tokens`): a flat `LlamaForCausalLMEagle3` config with `eagle_config` aux ids written
    as AQ-MedAI writes them (the HF indices, [2,30,58] for Kimi), `midlayer.*` keys, `d2t`, `t2d`,
    `lm_head`, no `target_hidden_size` and no `norm_before_residual`.
-4. Runs stages 02-06 again for each, fine-tuning from that base (`train.finetune_from`)
+4. Converts each base with `05_fix_keys.py --from` into every engine layout
+   (`<run.name>-ft[-embed]-converted/`), checked against the verifier.
+5. Runs stages 02-06 again for each, fine-tuning from that base (`train.finetune_from`)
    (`<run.name>-ft`, `<run.name>-ft-embed`; same stage-01 data, copied), so the base's layout,
    vocabulary map and aux-id convention (measured, as the production config asks) go through
    the real code.
-5. Prints what each run's manifests record.
+6. Prints what each run's manifests record.
 """
 
 from __future__ import annotations
@@ -67,12 +70,15 @@ def write_aq_medai_layout(out: Path, cfg: Config, with_embed: bool) -> Path:
 
 
 def run_stages(config: str, overrides: list[str], scripts: list[str]) -> None:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     for script in scripts:
-        cmd = [sys.executable, script, config, *overrides]
-        print(f"=== {' '.join(cmd[1:])}", flush=True)
-        if subprocess.run(cmd, cwd=REPO, env=env).returncode != 0:
-            sys.exit(f"rehearsal stopped: {script} failed (see above)")
+        run_stages_argv([sys.executable, script, config, *overrides])
+
+
+def run_stages_argv(cmd: list[str]) -> None:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    print(f"=== {' '.join(cmd[1:])}", flush=True)
+    if subprocess.run(cmd, cwd=REPO, env=env).returncode != 0:
+        sys.exit(f"rehearsal stopped: {' '.join(cmd[1:3])} failed (see above)")
 
 
 def summary(cfg: Config) -> dict[str, Any]:
@@ -90,26 +96,44 @@ def summary(cfg: Config) -> dict[str, Any]:
             "aux_layer_ids": train["counts"]["aux_layer_ids"],
             "finetune_from": train.get("finetune_from"),
             "export_aux_ids": export["aux_layer_ids"],
-            "acceptance": {r["name"]: r["mean_acceptance_length"] for r in bench["results"]}}
+            "acceptance": {r["cell"]: r["mean_acceptance_length"] for r in bench["results"]}}
+
+
+def convert_base(base: Path, cfg: Config) -> dict[str, Any]:
+    """`05_fix_keys.py --from` the base into every layout; the aux ids it was written with are
+    HF indices, which for a Kimi verifier is SGLang's reading after PR #25454."""
+    out = base.parent / f"{base.name.removesuffix('-base')}-converted"
+    run_stages_argv([sys.executable, "05_fix_keys.py", "--from", str(base), "--out", str(out),
+                     "--verifier", str(cfg.verifier_path), "--source-sglang", "post-25454"])
+    report = json.loads((out / "report.json").read_text())
+    return {"converted": str(out), "unchecked": report["unchecked"],
+            "aux_ids": {f: r["aux_layer_ids_written"] for f, r in report["formats"].items()}}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     from eagle3.verifiers import prepare_kimi_rehearsal
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    config = argv.pop(0) if argv and not argv[0].count("=") else DEFAULT_CONFIG
+    variants = ["ft", "ft-embed"]
+    if "--variants" in argv:
+        i = argv.index("--variants")
+        variants = [v for v in argv[i + 1].split(",") if v]
+        del argv[i:i + 2]
+    config = argv.pop(0) if argv and "=" not in argv[0] else DEFAULT_CONFIG
     cfg = load_config(REPO / config, argv)
     prepare_kimi_rehearsal(cfg.verifier_path)
     run_stages(config, argv, SCRIPTS)
     results = [summary(cfg)]
-    for name, embed in ((f"{cfg.run.name}-ft", False), (f"{cfg.run.name}-ft-embed", True)):
+    for variant in variants:
+        name, embed = f"{cfg.run.name}-{variant}", variant.endswith("embed")
         base = write_aq_medai_layout(cfg.run_dir.parent / f"{name}-base", cfg, embed)
+        conversion = convert_base(base, cfg)
         overrides = [*argv, f"run.name={name}", f"train.finetune_from={base}"]
         ft = load_config(REPO / config, overrides)
         if not (ft.run_dir / "01_data").exists():
             shutil.copytree(cfg.run_dir / "01_data", ft.run_dir / "01_data")
         run_stages(config, overrides, SCRIPTS[1:])
-        results.append(summary(ft))
+        results.append(summary(ft) | conversion)
     print(json.dumps(results, indent=1))
     return 0
 

@@ -84,7 +84,8 @@ STAGES: dict[int, StageSpec] = {
     1: StageSpec("01_data", "01_generate_data.py", (), {
         "verifier.path": lambda c: str(c.verifier_path.resolve()),
         "verifier.chat_template": _chat_template_digest,
-        "verifier.stop_token_ids": None, "data": None, "generate.engine": None, "generate.max_new_tokens": None,
+        "verifier.stop_token_ids": None, "data": None, "generate.engine": None,
+        "generate.max_new_tokens": None,
         "generate.temperature": None, "generate.top_p": None, "generate.seed": None,
         "generate.on_length": None,
         "generate.batch_size (hf engine)": _hf_generation("generate.batch_size"),
@@ -109,7 +110,8 @@ STAGES: dict[int, StageSpec] = {
     4: StageSpec("04_train", "04_train.py", (2, 3), {
         "draft": None,
         # How often to log, how many checkpoints to keep and DDP vs FSDP change no weight.
-        "train": _without("train", "log_every", "keep", "tensorboard", "parallel")}),
+        "train": _without("train", "log_every", "keep", "tensorboard", "parallel",
+                          "estimate_temperature")}),
     5: StageSpec("05_export", "05_fix_keys.py", (4,), {"export": None},
                  resume_on_change=True),
     6: StageSpec("06_bench", "06_deploy_and_bench.py", (5,), {"bench": None},

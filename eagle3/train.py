@@ -131,7 +131,8 @@ def build_finetune_model(stage: Stage, d2t: torch.Tensor, t2d: torch.Tensor,
     dcfg = base_drafter.finetune_draft_config(draft_model_config(cfg, len(t2d), len(d2t)), base,
                                               intermediate_size=cfg.draft.intermediate_size)
     base_drafter.check_base(base, dcfg, embed, d2t, t2d, allow_remap=cfg.vocab.allow_remap)
-    head = (remap_lm_head(load_tensor(base.weights["lm_head.weight"]), base.d2t, d2t, verifier_lm_head)
+    head = (remap_lm_head(load_tensor(base.weights["lm_head.weight"]), base.d2t, d2t,
+                          verifier_lm_head)
             if cfg.vocab.allow_remap else None)
     model = Eagle3DraftModel(dcfg)
     model.load_state_dict(base_drafter.base_state_dict(base, embed, d2t, t2d, head))
@@ -277,9 +278,11 @@ class Trainer:
     def autocast(self) -> Any:
         return torch.autocast(self.ctx.device.type, dtype=torch.bfloat16, enabled=self.bf16)
 
-    def batch(self, group: list[int], loss_on: Optional[str] = None) -> Any:
+    def batch(self, group: list[int], loss_on: Optional[str] = None,
+              temperature: Optional[float] = None) -> Any:
         return prepare_batch([self.data[i] for i in group], self.tc.batch_tokens,
-                             self.ctx.device, self.dtype, self.lm_head, self.draft_ids, loss_on)
+                             self.ctx.device, self.dtype, self.lm_head, self.draft_ids, loss_on,
+                             temperature)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -331,7 +334,8 @@ def setup(stage: Stage) -> Trainer:
                     tc.autocast == "auto" and ctx.device.type == "cuda"))
     # Resume weights go in before any wrapping: every rank reads the same full checkpoint.
     saved = _load_latest(t)
-    t.objective = dist.wrap(TTTObjective(model, tc.ttt_steps, tc.step_decay), parallel, ctx)
+    t.objective = dist.wrap(TTTObjective(model, tc.ttt_steps, tc.step_decay, tc.loss,
+                                         tc.lk_eta), parallel, ctx)
     t.params = [p for p in model.parameters() if p.requires_grad]  # after FSDP's re-wrap
     t.optimizer = torch.optim.AdamW(t.params, lr=tc.lr, weight_decay=tc.weight_decay,
                                     betas=tuple(tc.adam_betas))
@@ -448,18 +452,21 @@ def validate(t: Trainer) -> dict[str, Any]:
     """Metrics over the validation split (assistant tokens only), on every rank."""
     ctx, tc = t.ctx, t.tc
     t.objective.eval()
-    stats = StepStats.zeros(tc.ttt_steps)
+    temp = tc.estimate_temperature
+    stats = StepStats.zeros(tc.ttt_steps, temp)
     groups = pack(t.lengths, t.val_idx, tc.batch_tokens)
     # Sharded weights are gathered inside the (FSDP) objective's forward, so under FSDP every
     # rank must run as many forwards: a rank short of batches repeats one, uncounted.
-    forward = t.objective if t.parallel == "fsdp" else \
-        (lambda b, teacher: ttt_forward(t.model, b, teacher, tc.ttt_steps, tc.step_decay))
+    forward = t.objective if t.parallel == "fsdp" else (
+        lambda b, teacher, temp: ttt_forward(t.model, b, teacher, tc.ttt_steps, tc.step_decay,
+                                             tc.loss, tc.lk_eta, temp))
     with torch.no_grad():
         for r in range(math.ceil(len(groups) / ctx.world_size)):
             i = r * ctx.world_size + ctx.rank
-            batch, teacher = t.batch(groups[i] if i < len(groups) else groups[0])
+            batch, teacher = t.batch(groups[i] if i < len(groups) else groups[0],
+                                     temperature=temp)
             with t.autocast:
-                s = forward(batch, teacher)[1]
+                s = forward(batch, teacher, temp)[1]
             if i < len(groups):
                 stats.add(s)
     t.objective.train()
@@ -563,7 +570,10 @@ class _LogWindow:
         log.info("step %d/%d | loss %.4f | acc0 %.3f | est_len %.3f | lr %.2e | %.0f tok/s%s",
                  t.state.step, t.total_steps, record["loss"], wm["acc"][0],
                  wm["est_accept_len"], record["lr"], rate,
-                 f" | val est_len {val['est_accept_len']:.3f}" if val else "")
+                 (f" | val est_len {val['est_accept_len']:.3f}" + (
+                     f" (T={val['sampled_temperature']:g}: "
+                     f"{val['est_accept_len_sampled']:.3f})"
+                     if "est_accept_len_sampled" in val else "")) if val else "")
         self.window = StepStats.zeros(t.tc.ttt_steps)
         self.t_last, self.tok_last = time.time(), t.state.tokens_seen
 
@@ -650,7 +660,8 @@ def _tensorboard_record(tb: Any, record: dict[str, Any]) -> None:
             if isinstance(value, list):
                 for k, x in enumerate(value):
                     tb.add_scalar(f"{split}/{key}_{k}", x, step)
-            elif key in ("loss", "lr", "grad_norm", "est_accept_len", "tokens"):
+            elif key in ("loss", "lr", "grad_norm", "est_accept_len", "est_accept_len_sampled",
+                         "tokens"):
                 tb.add_scalar(f"{split}/{key}", value, step)
 
 

@@ -8,11 +8,21 @@ the verifier's final states f_t, TTT step k at position t:
                  earlier steps' keys at t
     counted      when x_{t+2+k} is inside the document and loss_mask[t+2+k] = 1 (in training
                  with `train.loss_on=all`, every position: prompts too; never in validation)
-The loss of step k is the soft cross-entropy against the teacher over positions counted whose
-teacher argmax lies in the draft vocabulary, divided by the positions counted; steps are
-weighted step_decay**k and summed (the weighting lives in `ttt_forward` only). Metrics: acc_k
-(draft argmax == verifier argmax), full_acc_k (steps 0..k all right, over chains started at
-step-0-counted positions), and the estimated acceptance length 1 + sum_k full_acc_k.
+The loss of step k is taken over positions counted whose teacher argmax lies in the draft
+vocabulary, divided by the positions counted; steps are weighted step_decay**k and summed (the
+weighting lives in `ttt_forward` only). Per position, with q the draft's distribution over the
+draft vocabulary V_d, p~ the teacher renormalized over V_d and p the verifier's full-vocabulary
+distribution restricted to V_d (not renormalized):
+    kl         soft cross-entropy -sum p~ log q (= KL(p~ || q) + a constant)
+    lk_alpha   -log alpha, alpha = sum_x min(p(x), q(x)): the acceptance probability of
+               speculative sampling at this position (Leviathan et al. 2023: 1 - TV(p, q));
+               the LK^alpha loss of Samarin et al. 2026 (arXiv 2602.23881, "LK losses")
+    lk_lambda  lambda KL(p~ || q) + (1 - lambda)(1 - alpha), lambda = exp(-eta sg[mean alpha])
+               per step over the counted positions of all ranks (their LK^lambda; eta = 3)
+Metrics: acc_k (draft argmax == verifier argmax), full_acc_k (steps 0..k all right, over chains
+started at step-0-counted positions), the estimated acceptance length 1 + sum_k full_acc_k
+(greedy serving) and, at a sampling temperature T, the expected one: 1 + sum_k of the mean over
+chains of prod_{j<=k} alpha_j computed from p and q at temperature T.
 
     batch, teacher = prepare_batch(samples, budget, device, dtype, lm_head, draft_ids)
     loss, stats = ttt_forward(model, batch, teacher, ttt_steps=3, step_decay=0.8)
@@ -21,6 +31,7 @@ step-0-counted positions), and the estimated acceptance length 1 + sum_k full_ac
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -31,33 +42,48 @@ from eagle3.model import Eagle3DraftModel, causal_doc_mask
 from eagle3.shards import Batch, collate
 
 
+LOSSES = ("kl", "lk_alpha", "lk_lambda")
+
+
 @dataclass
 class Teacher:
-    """The verifier's next-token view of each position: draft-vocab logits and full argmax."""
+    """The verifier's next-token view of each position: draft-vocab logits, full argmax, and
+    the full-vocabulary log-normalizer (so p restricted to the draft vocabulary is
+    exp(draft_logits - lse), unrenormalized), also at the estimate's temperature."""
     draft_logits: torch.Tensor  # [1, T, Vd]
     argmax: torch.Tensor        # [1, T] target ids
+    lse: torch.Tensor           # [1, T] logsumexp of the full-vocabulary logits
+    lse_t: Optional[torch.Tensor] = None  # [1, T] the same of logits / temperature
 
 
 @torch.no_grad()
 def make_teacher(final: torch.Tensor, lm_head: torch.Tensor, draft_ids: torch.Tensor,
-                 needed: Optional[torch.Tensor] = None, chunk: int = 1024) -> Teacher:
+                 needed: Optional[torch.Tensor] = None, chunk: int = 1024,
+                 temperature: Optional[float] = None) -> Teacher:
     """Teacher from post-norm final states; full-vocab logits are built `chunk` rows at a time.
 
     Only rows in `needed` ([1, T] bool, default all) are computed; the others are zero and must
     never be read. The full-vocab product is the costliest part of a small drafter's step, and
-    prompt positions (no loss) need none."""
+    prompt positions (no loss) need none. `temperature` adds the log-normalizer at T for the
+    sampled acceptance estimate."""
     flat = final.reshape(-1, final.shape[-1])
     rows = torch.arange(flat.shape[0], device=flat.device) if needed is None else \
         needed.reshape(-1).nonzero().squeeze(1)
     draft = flat.new_zeros(flat.shape[0], len(draft_ids), dtype=torch.float32)
     argmax = torch.zeros(flat.shape[0], dtype=torch.long, device=flat.device)
+    lse = torch.zeros(flat.shape[0], dtype=torch.float32, device=flat.device)
+    lse_t = torch.zeros_like(lse) if temperature else None
     for i in range(0, len(rows), chunk):
         r = rows[i:i + chunk]
         full = flat[r].float() @ lm_head.float().T
         argmax[r] = full.argmax(-1)
         draft[r] = full[:, draft_ids]
+        lse[r] = full.logsumexp(-1)
+        if lse_t is not None:
+            lse_t[r] = (full / temperature).logsumexp(-1)
     shape = final.shape[:-1]
-    return Teacher(draft.view(*shape, -1), argmax.view(shape))
+    return Teacher(draft.view(*shape, -1), argmax.view(shape), lse.view(shape),
+                   None if lse_t is None else lse_t.view(shape))
 
 
 def teacher_rows(batch: Batch) -> torch.Tensor:
@@ -81,13 +107,16 @@ def training_targets(batch: Batch, loss_on: str) -> Batch:
 
 def prepare_batch(samples: list[dict[str, torch.Tensor]], budget: int, device: torch.device,
                   dtype: torch.dtype, lm_head: torch.Tensor, draft_ids: torch.Tensor,
-                  loss_on: Optional[str] = None) -> tuple[Batch, Teacher]:
+                  loss_on: Optional[str] = None, temperature: Optional[float] = None
+                  ) -> tuple[Batch, Teacher]:
     """Samples -> (packed batch on `device`, its teacher). `loss_on` (training only) widens the
-    trained positions; None keeps the assistant mask (validation, benchmarks)."""
+    trained positions; None keeps the assistant mask (validation, benchmarks). `temperature`:
+    see `make_teacher`."""
     batch = collate(samples, budget).to(device, dtype)
     if loss_on is not None:
         batch = training_targets(batch, loss_on)
-    return batch, make_teacher(batch.final, lm_head, draft_ids, teacher_rows(batch))
+    return batch, make_teacher(batch.final, lm_head, draft_ids, teacher_rows(batch),
+                               temperature=temperature)
 
 
 @dataclass
@@ -98,30 +127,39 @@ class StepStats:
     counted: list[int]
     correct: list[int]
     full: list[int]
+    alpha: list[float] = dataclasses.field(default_factory=list)
+    """Per step: sum over counted positions of the acceptance probability alpha (T = 1)."""
+    expected: list[float] = dataclasses.field(default_factory=list)
+    """Per step k: sum over chains of prod_{j<=k} alpha_j at the estimate's temperature."""
     objective: float = 0.0
     """The weighted loss that was backpropagated, summed over micro-batches."""
     batches: int = 0
+    temperature: Optional[float] = None
+    """The sampled estimate's temperature (None: greedy estimate only)."""
 
     @classmethod
-    def zeros(cls, k: int) -> "StepStats":
-        return cls([0.0] * k, [0] * k, [0] * k, [0] * k)
+    def zeros(cls, k: int, temperature: Optional[float] = None) -> "StepStats":
+        return cls([0.0] * k, [0] * k, [0] * k, [0] * k, [0.0] * k, [0.0] * k,
+                   temperature=temperature)
 
     def add(self, other: "StepStats") -> None:
-        for name in ("loss", "counted", "correct", "full"):
+        for name in ("loss", "counted", "correct", "full", "alpha", "expected"):
             mine, theirs = getattr(self, name), getattr(other, name)
             for i in range(len(mine)):
                 mine[i] += theirs[i]
         self.objective += other.objective
         self.batches += other.batches
+        self.temperature = self.temperature or other.temperature
 
     def summed(self) -> "StepStats":
         """These counts summed over all ranks (a collective; one process: unchanged)."""
         k = len(self.loss)
         v = dist.all_reduce_sum(self.loss + self.counted + self.correct + self.full
-                                + [self.objective, self.batches])
+                                + self.alpha + self.expected + [self.objective, self.batches])
         ints = lambda xs: [int(x) for x in xs]  # noqa: E731
         return StepStats(v[:k], ints(v[k:2 * k]), ints(v[2 * k:3 * k]), ints(v[3 * k:4 * k]),
-                         v[4 * k], int(v[4 * k + 1]))
+                         v[4 * k:5 * k], v[5 * k:6 * k], v[6 * k], int(v[6 * k + 1]),
+                         self.temperature)
 
     def metrics(self) -> dict[str, Any]:
         chains = max(self.counted[0], 1)
@@ -132,23 +170,68 @@ class StepStats:
             "full_acc": full_acc,
             "cond_acc": [self.full[0] / chains] + [
                 self.full[k] / max(self.full[k - 1], 1) for k in range(1, len(self.full))],
+            "alpha": [a / max(n, 1) for a, n in zip(self.alpha, self.counted)],
             "est_accept_len": 1.0 + sum(full_acc),
         }
+        if self.temperature:
+            out["est_accept_len_sampled"] = 1.0 + sum(e / chains for e in self.expected)
+            out["sampled_temperature"] = self.temperature
         return {k: ([round(x, 5) for x in v] if isinstance(v, list) else round(v, 5))
                 for k, v in out.items()}
 
 
+def acceptance_probability(draft_logits: torch.Tensor, teacher_logits: torch.Tensor,
+                           lse: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """alpha = sum_{x in V_d} min(p(x), q(x)) per position: q = softmax(draft_logits / T) over
+    the draft vocabulary, p = the verifier's full-vocabulary softmax at T restricted to V_d
+    (`exp(teacher_logits / T - lse)`, `lse` its full log-normalizer at T): the probability that
+    speculative sampling accepts the draft's token (LK paper eq. for the acceptance rate; at
+    most p(V_d), the verifier's mass the drafter can propose)."""
+    q = torch.softmax(draft_logits.float() / temperature, dim=-1)
+    p = torch.exp(teacher_logits.float() / temperature - lse[..., None])
+    return torch.minimum(p, q).sum(-1)
+
+
+def step_loss(kind: str, logits: torch.Tensor, t_logits: torch.Tensor, lse: torch.Tensor,
+              weight: torch.Tensor, n: torch.Tensor, lk_eta: float
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss of one TTT step, alpha per position). `weight` marks the positions that count (the
+    counted ones whose teacher argmax is in the draft vocabulary), `n` the counted positions
+    (the normaliser of every loss, as for KL)."""
+    p_tilde = torch.softmax(t_logits.float(), dim=-1)
+    log_q = torch.log_softmax(logits.float(), dim=-1)
+    alpha = acceptance_probability(logits, t_logits, lse)
+    if kind == "kl":
+        per_pos = -(p_tilde * log_q).sum(-1)
+    elif kind == "lk_alpha":
+        # alpha = 0 (no overlap) would give an infinite loss; speculators clamps at 1e-5 too.
+        per_pos = -torch.log(alpha.clamp(min=1e-5))
+    elif kind == "lk_lambda":
+        kl = (p_tilde * (torch.log(p_tilde.clamp(min=1e-30)) - log_q)).sum(-1)
+        mean_alpha = dist.all_reduce_sum([float((alpha.detach() * weight).sum()),
+                                          float(n)])
+        lam = math.exp(-lk_eta * mean_alpha[0] / max(mean_alpha[1], 1.0))
+        per_pos = lam * kl + (1.0 - lam) * (1.0 - alpha)
+    else:
+        raise ValueError(f"unknown TTT loss {kind!r}: one of {', '.join(LOSSES)}")
+    return (per_pos * weight).sum() / n.clamp(min=1), alpha
+
+
 def ttt_forward(model: Eagle3DraftModel, batch: Batch, teacher: Teacher, ttt_steps: int,
-                step_decay: float) -> tuple[torch.Tensor, StepStats]:
-    """Unroll `ttt_steps` draft steps on a packed batch; return (weighted loss, counts)."""
+                step_decay: float, loss: str = "kl", lk_eta: float = 3.0,
+                estimate_temperature: Optional[float] = None
+                ) -> tuple[torch.Tensor, StepStats]:
+    """Unroll `ttt_steps` draft steps on a packed batch; return (weighted loss, counts).
+    `estimate_temperature` (needs a teacher made with that temperature) adds the expected
+    acceptance under sampling at T."""
     T = batch.num_tokens
     idx = torch.arange(T, device=batch.input_ids.device)[None]
     mask = causal_doc_mask(batch.doc_ids)
     cache = model.new_cache()
     h = model.project(batch.aux)
-    alive = None
+    alive = chain_p = None
     total = h.new_zeros(())
-    stats = StepStats.zeros(ttt_steps)
+    stats = StepStats.zeros(ttt_steps, estimate_temperature)
     for k in range(ttt_steps):
         src = idx + 1 + k                      # position of the input token (and its teacher)
         tgt = src + 1                          # position of the predicted token
@@ -161,12 +244,10 @@ def ttt_forward(model: Eagle3DraftModel, batch: Batch, teacher: Teacher, ttt_ste
         t_logits = teacher.draft_logits.gather(
             1, src_c[..., None].expand(-1, -1, teacher.draft_logits.shape[-1]))
         t_argmax = teacher.argmax.gather(1, src_c)
-        in_vocab = model.t2d[t_argmax]
-        weight = (counted & in_vocab).float()
-        p = torch.softmax(t_logits.float(), dim=-1)
-        ce = -(p * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
+        weight = (counted & model.t2d[t_argmax]).float()
         n = counted.sum()
-        loss_k = (ce * weight).sum() / n.clamp(min=1)
+        loss_k, alpha = step_loss(loss, logits, t_logits, teacher.lse.gather(1, src_c),
+                                  weight, n, lk_eta)
         total = total + (step_decay ** k) * loss_k
 
         with torch.no_grad():
@@ -179,6 +260,13 @@ def ttt_forward(model: Eagle3DraftModel, batch: Batch, teacher: Teacher, ttt_ste
             stats.counted[k] = int(n)
             stats.correct[k] = int(correct.sum())
             stats.full[k] = int((alive & chains).sum())
+            stats.alpha[k] = float((alpha * counted).sum())
+            if estimate_temperature:
+                a_t = acceptance_probability(logits, t_logits,
+                                             teacher.lse_t.gather(1, src_c),
+                                             estimate_temperature) * counted
+                chain_p = a_t if chain_p is None else chain_p * a_t
+                stats.expected[k] = float((chain_p * chains).sum())
     stats.objective, stats.batches = float(total.detach()), 1
     return total, stats
 
@@ -187,9 +275,13 @@ class TTTObjective(torch.nn.Module):
     """`ttt_forward` as a module's forward, so DistributedDataParallel can wrap it (DDP hooks
     the wrapped module's forward; the draft model's own entry points are `project`/`step`)."""
 
-    def __init__(self, model: Eagle3DraftModel, ttt_steps: int, step_decay: float):
+    def __init__(self, model: Eagle3DraftModel, ttt_steps: int, step_decay: float,
+                 loss: str = "kl", lk_eta: float = 3.0):
         super().__init__()
         self.model, self.ttt_steps, self.step_decay = model, ttt_steps, step_decay
+        self.loss, self.lk_eta = loss, lk_eta
 
-    def forward(self, batch: Batch, teacher: Teacher) -> tuple[torch.Tensor, StepStats]:
-        return ttt_forward(self.model, batch, teacher, self.ttt_steps, self.step_decay)
+    def forward(self, batch: Batch, teacher: Teacher,
+                estimate_temperature: Optional[float] = None) -> tuple[torch.Tensor, StepStats]:
+        return ttt_forward(self.model, batch, teacher, self.ttt_steps, self.step_decay,
+                           self.loss, self.lk_eta, estimate_temperature)

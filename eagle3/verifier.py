@@ -285,6 +285,41 @@ def load_text_lm(path: Path, dtype: str, device: str,
     return model.to(device).eval()
 
 
+def load_final_norm(path: Path, dtype: str, trust_remote_code: bool = False
+                    ) -> torch.nn.Module:
+    """The verifier's own final-norm module (its class, as transformers builds the decoder:
+    LlamaRMSNorm, Gemma's `(1 + w)` RMSNorm, ...) with its weights from the checkpoint: what
+    turns vLLM's pre-norm last state into the post-norm state the teacher reads.
+
+    The decoder is built on the meta device (no memory, even at Kimi size) only to learn the
+    class; a module with anything but the checkpoint's `norm.*` tensors is refused."""
+    import copy
+
+    from transformers import AutoModel
+
+    text_cfg = text_config_of(path, trust_remote_code)
+    with torch.device("meta"), _quiet_transformers():
+        decoder = AutoModel.from_config(text_cfg, trust_remote_code=trust_remote_code)
+    norm = getattr(decoder, "norm", None)
+    if not isinstance(norm, torch.nn.Module):
+        raise StageError(f"the verifier's decoder ({type(decoder).__name__}) has no final "
+                         f"`norm` module: the vllm backend cannot post-norm its last state; use "
+                         f"hidden_states.backend=hf")
+    norm = copy.deepcopy(norm).to_empty(device="cpu")
+    files = weight_files(path)
+    prefix = find_text_prefix(list(files))
+    state = {}
+    for name, _ in list(norm.named_parameters()) + list(norm.named_buffers()):
+        key = f"{prefix}norm.{name}"
+        if key not in files:
+            raise StageError(f"the verifier's final norm ({type(norm).__name__}) has "
+                             f"`{name}` but the checkpoint no `{key}`: use "
+                             f"hidden_states.backend=hf")
+        state[name] = open_file(files[key])[key].load()
+    norm.load_state_dict(state)
+    return norm.to(getattr(torch, dtype)).eval()
+
+
 @contextlib.contextmanager
 def _quiet_transformers() -> Iterator[None]:
     """Skipped tensors (vision tower, MTP layers) would fill the log with an "unexpected keys"

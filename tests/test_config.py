@@ -162,3 +162,38 @@ def test_inherit_merges_and_refuses_loops(tmp_path):
     (tmp_path / "b.yaml").write_text("inherit: a.yaml\n")
     with pytest.raises(ConfigError, match="loops back"):
         load_config(tmp_path / "a.yaml")
+
+
+@pytest.mark.parametrize("rope,theta", [
+    ({"rope_theta": 5e5}, 5e5),                                                   # flat
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}, 1e6),       # transformers 5
+    ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
+     1e6),                                                                        # per layer type
+    ({"rope_theta": 50000.0, "rope_scaling": {"type": "yarn", "factor": 64.0,     # DeepSeek/Kimi
+                                              "original_max_position_embeddings": 4096}}, 5e4),
+])
+def test_every_rope_layout_is_read(tmp_path, rope, theta):
+    from eagle3.config import VerifierConfig, read_verifier_info
+
+    d = fake_verifier(tmp_path)
+    raw = json.loads((d / "config.json").read_text())
+    raw.pop("rope_theta")
+    (d / "config.json").write_text(json.dumps({**raw, **rope}))
+    assert read_verifier_info(VerifierConfig(path=str(d))).rope_theta == theta
+
+
+@pytest.mark.parametrize("rope,message", [
+    ({}, "has no RoPE base"),
+    ({"rope_parameters": {"local": {"rope_theta": 1e4}, "global": {"rope_theta": 1e6}}},
+     "no `full_attention` entry"),
+])
+def test_unreadable_rope_fails_loudly(tmp_path, rope, message):
+    from eagle3.config import VerifierConfig, read_verifier_info
+
+    d = fake_verifier(tmp_path)
+    raw = json.loads((d / "config.json").read_text())
+    raw.pop("rope_theta")
+    (d / "config.json").write_text(json.dumps({**raw, **rope}))
+    with pytest.raises(ConfigError, match=message):
+        read_verifier_info(VerifierConfig(path=str(d)))

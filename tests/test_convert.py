@@ -23,19 +23,22 @@ _VD = 512
 _AUX = [1, 2, 3]
 
 
-def draft_config(vocab: int, hidden: int = TINY_HIDDEN) -> DraftModelConfig:
+def draft_config(vocab: int, hidden: int = TINY_HIDDEN, heads: int = 4,
+                 kv_heads: int = 2) -> DraftModelConfig:
     return DraftModelConfig(hidden_size=hidden, target_hidden_size=hidden, num_aux=3,
-                            intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-                            head_dim=hidden // 4, num_layers=1, rms_norm_eps=1e-5,
+                            intermediate_size=96, num_attention_heads=heads,
+                            num_key_value_heads=kv_heads, head_dim=hidden // heads,
+                            num_layers=1, rms_norm_eps=1e-5,
                             rope_theta=10000.0, max_position_embeddings=2048, vocab_size=vocab,
                             draft_vocab_size=_VD)
 
 
-def drafter_for(verifier: Path, seed: int = 0) -> Eagle3DraftModel:
+def drafter_for(verifier: Path, seed: int = 0, heads: int = 4, kv_heads: int = 2
+                ) -> Eagle3DraftModel:
     """A random drafter shaped for `verifier`, with its embedding."""
     embed = read_tensor(verifier, "embed")
     torch.manual_seed(seed)
-    m = Eagle3DraftModel(draft_config(embed.shape[0], embed.shape[1]))
+    m = Eagle3DraftModel(draft_config(embed.shape[0], embed.shape[1], heads, kv_heads))
     with torch.no_grad():
         for p in m.parameters():
             p.normal_(0, 0.2) if p.dim() > 1 else p.uniform_(0.5, 1.5)

@@ -72,35 +72,63 @@ def naive_layer(layer, h, emb, pos, keys, values, step, T, nbr):
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
-def naive_doc(model, s, lm_head, steps, decay, nbr):
-    """Per-step sums for one document, from the written-out definition."""
+def naive_doc(model, s, lm_head, steps, decay, nbr, temperature=0.7):
+    """Per-step sums for one document, from the written-out definition (LK terms: the LK
+    paper's acceptance alpha = sum_x min(p(x), q(x)), p the full softmax on draft tokens)."""
     T = len(s["input_ids"])
     ids, mask = s["input_ids"], s["loss_mask"].bool()
     full = s["final"] @ lm_head.T                   # verifier logits at every position
     draft_ids = torch.arange(VD) + model.d2t
     h = model.fc(s["aux"])
     keys, values = [], []
-    out = {"ce": [], "n": [], "correct": [], "alive": []}
+    out = {"ce": [], "n": [], "correct": [], "alive": [], "nla": [], "kl": [], "tv": [],
+           "alpha_w": [], "alpha": [], "chain": []}
     alive = torch.ones(T, dtype=torch.bool)
+    chain = torch.ones(T, dtype=torch.float64)
+    started = torch.zeros(T, dtype=torch.bool)
     for k in range(steps):
         inp = torch.tensor([ids[t + 1 + k] if t + 1 + k < T else 0 for t in range(T)])
         h = naive_layer(model.layers[0], h, model.embed_tokens(inp), torch.arange(T) + k,
                         keys, values, k, T, nbr)
         logits = model.lm_head(model.norm(h))
         ce_sum, n, correct = 0.0, 0, torch.zeros(T, dtype=torch.bool)
+        nla = kl = tv = alpha_w = alpha_all = 0.0
+        counted = torch.zeros(T, dtype=torch.bool)
+        a_temp = torch.zeros(T, dtype=torch.float64)
         for t in range(T):
             src, tgt = t + 1 + k, t + 2 + k
             if tgt >= T or not mask[tgt]:
                 continue
             n += 1
+            counted[t] = True
             teacher = full[src]
             arg = int(teacher.argmax())
             pred = int(draft_ids[logits[t].argmax()])
             correct[t] = pred == arg
+            q = torch.softmax(logits[t], -1).detach()
+            p_full = torch.softmax(teacher, -1)[draft_ids]
+            alpha = sum(min(float(p_full[x]), float(q[x])) for x in range(VD))
+            alpha_all += alpha
+            qt = torch.softmax(logits[t] / temperature, -1).detach()
+            pt = torch.softmax(teacher / temperature, -1)[draft_ids]
+            a_temp[t] = sum(min(float(pt[x]), float(qt[x])) for x in range(VD))
             if model.t2d[arg]:
                 p = torch.softmax(teacher[draft_ids], -1)
                 ce_sum = ce_sum - (p * torch.log_softmax(logits[t], -1)).sum()
+                kl = kl + (p * (p.log() - torch.log_softmax(logits[t], -1))).sum()
+                nla = nla - math.log(max(alpha, 1e-5))
+                tv = tv + (1 - alpha)
+                alpha_w += alpha
         alive = alive & correct
+        if k == 0:
+            started = counted.clone()
+        chain = chain * torch.where(counted, a_temp, torch.zeros_like(a_temp))
+        out["chain"].append(float((chain * started).sum()))
+        out["nla"].append(nla)
+        out["kl"].append(kl)
+        out["tv"].append(tv)
+        out["alpha_w"].append(alpha_w)
+        out["alpha"].append(alpha_all)
         out["ce"].append(ce_sum)
         out["n"].append(n)
         out["correct"].append(int(correct.sum()))
@@ -130,6 +158,82 @@ def test_ttt_matches_naive_reference(lengths, nbr):
         assert stats.full[k] == sum(r["alive"][k] for r in refs)
     torch.testing.assert_close(loss, torch.as_tensor(ref_loss, dtype=loss.dtype),
                                rtol=1e-6, atol=1e-6)  # loss math runs in fp32
+
+
+@pytest.mark.parametrize("loss", ["lk_alpha", "lk_lambda"])
+def test_lk_losses_and_sampled_estimate_match_naive_reference(loss):
+    steps, decay, eta, temp = 3, 0.8, 3.0, 0.7
+    model = tiny_model()
+    lm_head = torch.randn(V, HT, dtype=torch.float64)
+    docs = samples([13, 9])
+    batch = collate(docs, max_tokens=1000)
+    teacher = make_teacher(batch.final, lm_head, torch.arange(VD) + model.d2t, temperature=temp)
+    got, stats = ttt_forward(model, batch, teacher, steps, decay, loss, eta, temp)
+    refs = [naive_doc(model, d, lm_head, steps, decay, False, temp) for d in docs]
+    want = 0.0
+    for k in range(steps):
+        n = sum(r["n"][k] for r in refs)
+        if loss == "lk_alpha":
+            step = sum(r["nla"][k] for r in refs) / n
+        else:
+            lam = math.exp(-eta * sum(r["alpha_w"][k] for r in refs) / n)
+            step = (lam * sum(r["kl"][k] for r in refs)
+                    + (1 - lam) * sum(r["tv"][k] for r in refs)) / n
+        want += decay ** k * float(step)
+        assert stats.alpha[k] == pytest.approx(sum(r["alpha"][k] for r in refs), rel=1e-5)
+        assert stats.expected[k] == pytest.approx(sum(r["chain"][k] for r in refs), rel=1e-5)
+    assert float(got) == pytest.approx(want, rel=1e-5)
+    m = stats.metrics()
+    chains = stats.counted[0]
+    assert m["est_accept_len_sampled"] == pytest.approx(
+        1 + sum(stats.expected) / chains, abs=1e-5)
+
+
+def test_acceptance_probability_identity():
+    """alpha = sum min(p, q) = 1 - TV(p, q) for full distributions, and with p restricted to
+    the draft vocabulary it is at most p(V_d) (the mass the drafter can propose)."""
+    from eagle3.ttt import acceptance_probability
+
+    torch.manual_seed(3)
+    z_q, z_p = torch.randn(5, V), torch.randn(5, V)
+    alpha = acceptance_probability(z_q, z_p, z_p.logsumexp(-1))
+    tv = 0.5 * (torch.softmax(z_p, -1) - torch.softmax(z_q, -1)).abs().sum(-1)
+    torch.testing.assert_close(alpha, 1 - tv)
+    draft_ids = torch.randperm(V)[:VD]
+    restricted = acceptance_probability(torch.randn(5, VD), z_p[:, draft_ids], z_p.logsumexp(-1))
+    assert (restricted <= torch.softmax(z_p, -1)[:, draft_ids].sum(-1) + 1e-6).all()
+    # identical distributions on the draft vocabulary accept with probability p(V_d)
+    same = acceptance_probability(z_p[:, draft_ids], z_p[:, draft_ids], z_p.logsumexp(-1))
+    assert (same <= 1).all() and (same > 0).all()
+
+
+@pytest.mark.parametrize("loss", ["kl", "lk_alpha", "lk_lambda"])
+def test_losses_have_finite_gradients_on_edge_cases(loss):
+    """No counted position at all, and teachers whose argmax lies outside the draft vocabulary:
+    finite loss and gradients (zero where nothing counts)."""
+    model = tiny_model().float()
+    lm_head = torch.randn(V, HT)
+    docs = [{k: (v.float() if v.is_floating_point() else v) for k, v in s.items()}
+            for s in samples([12])]
+    docs[0]["loss_mask"] = torch.zeros(12, dtype=torch.long)
+    batch = collate(docs, 1000)
+    teacher = make_teacher(batch.final, lm_head, torch.arange(VD) + model.d2t)
+    out, _ = ttt_forward(model, batch, teacher, 3, 0.8, loss)
+    out.backward()
+    assert float(out) == 0.0
+    assert all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+    # every teacher argmax outside the draft vocabulary: nothing is trained, nothing breaks
+    model.zero_grad()
+    docs[0]["loss_mask"] = torch.ones(12, dtype=torch.long)
+    batch = collate(docs, 1000)
+    outside = (~model.t2d).nonzero().squeeze(1)
+    head = torch.zeros(V, HT)
+    head[outside[0]] = 50.0  # the argmax is always this token
+    teacher = make_teacher(batch.final.abs() + 1, head, torch.arange(VD) + model.d2t)
+    out, stats = ttt_forward(model, batch, teacher, 3, 0.8, loss)
+    out.backward()
+    assert float(out) == 0.0 and stats.counted[0] > 0
+    assert all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in model.parameters())
 
 
 @pytest.mark.parametrize("steps", [1, 4])

@@ -69,3 +69,44 @@ def test_random_drafter_serves_in_vllm(tmp_path, smollm2):
     assert f"Using auxiliary layers from speculative config: {tuple(aux)}" in log
     assert "Attempted to load weight" not in log  # exported in the serving dtype
     assert "Detected EAGLE model with distinct lm_head weights" in log
+
+
+@pytest.mark.parametrize("layout", ["speculators-save-pretrained", "aq-medai"])
+def test_converted_drafters_serve_in_vllm(tmp_path, smollm2, layout):
+    """`05_fix_keys.py --from` a drafter written by speculators' own save_pretrained, and one in
+    AQ-MedAI's midlayer.* layout (embedding shipped): vLLM serves the vLLM export, drafting from
+    the aux layers we trained on."""
+    from test_convert import aq_medai_dir, convert_dir, drafter_for, speculators_dir
+
+    from conftest import make_config
+    from eagle3 import bench, engines
+    from eagle3.config import ServerConfig
+
+    model = drafter_for(smollm2, heads=9, kv_heads=3)  # SmolLM2's embedding and head shape
+    if layout == "aq-medai":
+        # Written for SGLang and a Llama verifier: [1,2,3] - 1.
+        src = aq_medai_dir(tmp_path / "src", model, aux=[0, 1, 2])
+    else:
+        src = speculators_dir(tmp_path / "src", model)
+    convert_dir(src, tmp_path / "out", "--verifier", str(smollm2), "--formats", "vllm",
+                "--dtype", "bfloat16")
+    cfg = make_config(tmp_path, smollm2)
+    server = ServerConfig(startup_timeout_s=240.0, max_model_len=512,
+                          extra_args=["--enforce-eager", "--dtype", "bfloat16"],
+                          env={"VLLM_CPU_KVCACHE_SPACE": "1",
+                               "VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+    log = tmp_path / "vllm.log"
+    with engines.start_server("vllm", cfg, server, "test", log, max_model_len=512,
+                              args=bench.vllm_speculative_args(tmp_path / "out" / "vllm", 3)
+                              ) as s:
+        before = bench.spec_counters(engines.http_get(s.url("/metrics"), server))
+        reply = engines.http_post_json(s.url("/v1/chat/completions"), {
+            "model": engines.served_model(s.url(""), server),
+            "messages": [{"role": "user", "content": "Name three colours."}],
+            "max_tokens": 16, "temperature": 0}, server)
+        after = bench.spec_counters(engines.http_get(s.url("/metrics"), server))
+    assert reply["choices"][0]["message"]["content"]
+    assert bench.acceptance_stats(before, after)["num_drafts"] > 0
+    text = log.read_text()
+    assert "Using auxiliary layers from speculative config: (1, 2, 3)" in text
+    assert "Attempted to load weight" not in text

