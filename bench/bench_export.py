@@ -9,10 +9,11 @@ lm_head 32000 x 7168: 2.36B parameters, 4.7 GB) and a verifier directory holding
 config and its embedding, then runs each approach in its own process and reads its peak RSS
 (`ru_maxrss` of the child):
 
-- streaming, no verifier: the SGLang export (the embedding is never read);
-- streaming, with the verifier: the same plus the drafter's embedding compared with the
-  verifier's (256 MB blocks of rows);
-- naive: `safetensors.torch.load_file` of the whole drafter, rename, cast, `save_file`.
+- streaming: `05_fix_keys.py --from` with the verifier, writing the vLLM and SGLang exports
+  (each read, cast, written and validated one tensor at a time) after comparing the
+  drafter's embedding with the verifier's in 256 MB blocks of rows;
+- naive: `safetensors.torch.load_file` of the whole drafter, rename, cast, `save_file` (one
+  format, no validation).
 
 The goal (issue 13): streaming peak <= 1.5 x the largest tensor + 0.5 GB.
 """
@@ -26,34 +27,33 @@ import shutil
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from eagle3.weights_io import LazyTensor, write_safetensors  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 H, VOCAB, DRAFT_VOCAB, HEADS, HEAD_DIM, MLP = 7168, 163840, 32000, 64, 128, 18432
 GB = 1e9
 
 
-class Synthetic(LazyTensor):
-    """A tensor made on demand (normal(0, 0.02), fixed seed per name): a 4.7 GB drafter without
-    ever holding it."""
+def kimi_drafter() -> dict:
+    """name -> a tensor made on demand (normal(0, 0.02), fixed seed per name): a 4.7 GB drafter
+    without ever holding it."""
+    import torch
 
-    def load(self) -> torch.Tensor:
-        g = torch.Generator().manual_seed(abs(hash(self.key)) % (1 << 31))
-        if self.dtype == torch.bool:
-            return torch.ones(self.shape, dtype=torch.bool)
-        if not self.dtype.is_floating_point:
-            return torch.zeros(self.shape, dtype=self.dtype)
-        out = torch.empty(self.shape, dtype=torch.float32)
-        return out.normal_(0, 0.02, generator=g).to(self.dtype)
+    from eagle3.weights_io import LazyTensor
 
+    class Synthetic(LazyTensor):
+        def load(self) -> torch.Tensor:
+            g = torch.Generator().manual_seed(zlib.crc32(self.key.encode()))
+            if self.dtype == torch.bool:  # t2d: the first DRAFT_VOCAB ids (d2t offsets 0)
+                return torch.arange(self.shape[0]) < DRAFT_VOCAB
+            if not self.dtype.is_floating_point:
+                return torch.zeros(self.shape, dtype=self.dtype)
+            out = torch.empty(self.shape, dtype=torch.float32)
+            return out.normal_(0, 0.02, generator=g).to(self.dtype)
 
-def kimi_drafter() -> dict[str, Synthetic]:
     q = HEADS * HEAD_DIM
     shapes = {
         "embed_tokens.weight": (VOCAB, H), "fc.weight": (H, 3 * H),
@@ -72,7 +72,13 @@ def kimi_drafter() -> dict[str, Synthetic]:
     return out
 
 
-def write_inputs(root: Path) -> tuple[Path, Path, dict]:
+def write_inputs(root: Path) -> dict:
+    """The synthetic drafter and verifier directories (kept when present) and their facts. Run
+    in a child process: the memory it takes never counts against the measured ones."""
+    import torch
+
+    from eagle3.weights_io import write_safetensors
+
     src, verifier = root / "aq-medai-kimi", root / "kimi-verifier"
     tensors = kimi_drafter()
     if not (src / "model.safetensors").is_file():
@@ -100,9 +106,9 @@ def write_inputs(root: Path) -> tuple[Path, Path, dict]:
     shipped = max(t.numel() * 2 for k, t in tensors.items()
                   if t.dtype == torch.bfloat16 and k != "embed_tokens.weight")
     params = sum(t.numel() for t in tensors.values() if t.dtype == torch.bfloat16)
-    return src, verifier, {"parameters": params, "largest_tensor_bytes": largest,
-                           "largest_shipped_tensor_bytes": shipped,
-                           "source_bytes": (src / "model.safetensors").stat().st_size}
+    return {"parameters": params, "largest_tensor_bytes": largest,
+            "largest_shipped_tensor_bytes": shipped,
+            "source_bytes": (src / "model.safetensors").stat().st_size}
 
 
 NAIVE = """
@@ -130,29 +136,40 @@ def measure(cmd: list[str], log: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", default="/tmp/bench_export")
-    ap.add_argument("--only", choices=["streaming", "verified", "naive"])
+    ap.add_argument("--only", choices=["streaming", "naive"])
     ap.add_argument("--keep", action="store_true", help="keep the synthetic inputs")
+    ap.add_argument("--prepare", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     root = Path(args.dir)
-    src, verifier, facts = write_inputs(root)
     py = sys.executable
+    if args.prepare:
+        print(json.dumps(write_inputs(root)))
+        return
+    # This process never imports torch: a child's peak RSS (wait4) starts from its parent's
+    # size at fork, so the measuring parent stays a bare interpreter.
+    prep = subprocess.run([py, __file__, "--dir", str(root), "--prepare"], capture_output=True,
+                          text=True)
+    if prep.returncode != 0:
+        sys.exit(prep.stderr[-2000:])
+    facts = json.loads(prep.stdout.strip().splitlines()[-1])
+    src, verifier = root / "aq-medai-kimi", root / "kimi-verifier"
+    floor = measure([py, "-c", "pass"], root / "floor.log")
     runs = {
-        "streaming": [py, "05_fix_keys.py", "--from", str(src), "--out", str(root / "out-s"),
-                      "--formats", "vllm", "--dtype", "bfloat16"],
-        "verified": [py, "05_fix_keys.py", "--from", str(src), "--out", str(root / "out-v"),
-                     "--verifier", str(verifier), "--formats", "sglang", "--dtype", "bfloat16",
-                     "--source-sglang", "post-25454"],
+        "streaming": [py, "05_fix_keys.py", "--from", str(src), "--out", str(root / "out"),
+                      "--verifier", str(verifier), "--formats", "vllm,sglang", "--dtype",
+                      "bfloat16", "--source-sglang", "post-25454"],
         "naive": [py, "-c", NAIVE, str(src / "model.safetensors"), str(root / "naive.st")],
     }
-    order = [args.only] if args.only else ["streaming", "verified", "naive"]
+    order = [args.only] if args.only else ["streaming", "naive"]
     results = {}
     for name in order:
-        for out in (root / "out-s", root / "out-v", root / "naive.st"):
+        for out in (root / "out", root / "naive.st"):
             shutil.rmtree(out, ignore_errors=True) if out.is_dir() else out.unlink(missing_ok=True)
         results[name] = measure(runs[name], root / f"{name}.log")
         print(name, results[name], flush=True)
     goal = 1.5 * facts["largest_tensor_bytes"] / GB + 0.5
-    print(json.dumps({**facts, "goal_peak_rss_gb": round(goal, 2), "results": results},
+    print(json.dumps({**facts, "goal_peak_rss_gb": round(goal, 2),
+                      "bare_interpreter_rss_gb": floor["peak_rss_gb"], "results": results},
                      indent=2))
     if not args.keep:
         shutil.rmtree(root, ignore_errors=True)

@@ -209,30 +209,36 @@ def _sse(response: Any) -> Iterator[dict[str, Any]]:
                 yield json.loads(data)
 
 
-def vllm_request(server: Server, messages: list[dict[str, Any]], max_tokens: int,
-                 temperature: float, settings: ServerConfig) -> dict[str, Any]:
-    """One chat completion through vLLM's OpenAI server (it applies the chat template)."""
+def _stream(server: Server, path: str, payload: dict[str, Any],
+            settings: ServerConfig) -> Iterator[dict[str, Any]]:
+    """The SSE chunks of one streamed request."""
     import httpx
 
-    payload = {"model": server.model, "messages": messages, "max_tokens": max_tokens,
-               "temperature": temperature, "stream": True,
-               "stream_options": {"include_usage": True}}
-    start, first, text, reasoning, usage = time.time(), None, [], [], {}
-    with httpx.stream("POST", server.url("/v1/chat/completions"), json=payload,
+    with httpx.stream("POST", server.url(path), json=payload,
                       timeout=httpx.Timeout(settings.request_timeout_s,
                                             connect=settings.connect_timeout_s)) as r:
         if r.status_code >= 400:
             raise StageError(f"HTTP {r.status_code} from {server.url()}: {r.read()[:300]!r}")
-        for chunk in _sse(r):
-            usage = chunk.get("usage") or usage
-            for choice in chunk.get("choices") or []:
-                delta = choice.get("delta") or {}
-                piece = delta.get("content") or ""
-                think = delta.get("reasoning_content") or delta.get("reasoning") or ""
-                if (piece or think) and first is None:
-                    first = time.time()
-                text.append(piece)
-                reasoning.append(think)
+        yield from _sse(r)
+
+
+def vllm_request(server: Server, messages: list[dict[str, Any]], max_tokens: int,
+                 temperature: float, settings: ServerConfig) -> dict[str, Any]:
+    """One chat completion through vLLM's OpenAI server (it applies the chat template)."""
+    payload = {"model": server.model, "messages": messages, "max_tokens": max_tokens,
+               "temperature": temperature, "stream": True,
+               "stream_options": {"include_usage": True}}
+    start, first, text, reasoning, usage = time.time(), None, [], [], {}
+    for chunk in _stream(server, "/v1/chat/completions", payload, settings):
+        usage = chunk.get("usage") or usage
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            piece = delta.get("content") or ""
+            think = delta.get("reasoning_content") or delta.get("reasoning") or ""
+            if (piece or think) and first is None:
+                first = time.time()
+            text.append(piece)
+            reasoning.append(think)
     return {"text": "".join(reasoning) + "".join(text),
             "completion_tokens": int(usage.get("completion_tokens") or 0),
             "ttft_s": (first or time.time()) - start, "latency_s": time.time() - start}
@@ -241,20 +247,13 @@ def vllm_request(server: Server, messages: list[dict[str, Any]], max_tokens: int
 def sglang_request(server: Server, prompt: str, max_tokens: int, temperature: float,
                    settings: ServerConfig) -> dict[str, Any]:
     """One generation through SGLang's native /generate on the text the pipeline rendered."""
-    import httpx
-
     payload = {"text": prompt, "stream": True,
                "sampling_params": {"max_new_tokens": max_tokens, "temperature": temperature}}
     start, first, last = time.time(), None, {}
-    with httpx.stream("POST", server.url("/generate"), json=payload,
-                      timeout=httpx.Timeout(settings.request_timeout_s,
-                                            connect=settings.connect_timeout_s)) as r:
-        if r.status_code >= 400:
-            raise StageError(f"HTTP {r.status_code} from {server.url()}: {r.read()[:300]!r}")
-        for chunk in _sse(r):
-            if first is None and chunk.get("text"):
-                first = time.time()
-            last = chunk
+    for chunk in _stream(server, "/generate", payload, settings):
+        if first is None and chunk.get("text"):
+            first = time.time()
+        last = chunk
     meta = last.get("meta_info") or {}
     return {"text": last.get("text", ""), "completion_tokens": int(meta.get("completion_tokens")
                                                                   or 0),

@@ -692,6 +692,31 @@ def text_config(raw: dict[str, Any]) -> dict[str, Any]:
     return text if isinstance(text, dict) else raw
 
 
+NO_DEFAULT = object()
+
+
+def field_default(dotted: str) -> Any:
+    """The dataclass default of a config key (`train.lk_eta` -> 3.0), or NO_DEFAULT when the
+    key has none or names no field. A run made before a setting existed was made with its
+    default (settings are only added with defaults that keep the old behaviour)."""
+    cls: Any = Config
+    value: Any = NO_DEFAULT
+    for part in dotted.split("."):
+        if not dataclasses.is_dataclass(cls):
+            return NO_DEFAULT
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        if part not in fields:
+            return NO_DEFAULT
+        f = fields[part]
+        value = (f.default if f.default is not dataclasses.MISSING else
+                 f.default_factory() if f.default_factory is not dataclasses.MISSING
+                 else NO_DEFAULT)
+        cls = typing.get_type_hints(cls).get(part)
+    if dataclasses.is_dataclass(value):
+        return dataclasses.asdict(value)
+    return value
+
+
 def rope_theta_of(text: dict[str, Any], path: Path) -> float:
     """The verifier's RoPE base, from every layout transformers 5 writes: `rope_parameters`
     with `rope_theta`; `rope_parameters` per layer type (`full_attention` wins: the drafter's

@@ -127,11 +127,13 @@ def _vocab_maps(base: base_drafter.BaseDrafter, notes: list[str]
                      f"i to token i and accept almost nothing")
 
 
-def _problems(base: base_drafter.BaseDrafter, verifier: Optional[str], internal: list[int],
-              unchecked: list[str]) -> list[str]:
+def _problems(base: base_drafter.BaseDrafter, maps: tuple[torch.Tensor, torch.Tensor],
+              verifier: Optional[str], internal: list[int], unchecked: list[str]) -> list[str]:
     """Everything that makes the source unfit to ship, one line each."""
     shape = base.shape
     problems = list(base.unsupported_flags)
+    problems += [f"source {p}" for p in formats.vocab_map_problems(
+        maps[0], maps[1], shape.draft_vocab_size, shape.vocab_size)]
     if "lm_head.weight" not in base.weights:
         problems.append(f"`lm_head.weight` missing: engines would score its "
                         f"{shape.draft_vocab_size}-token draft vocabulary with the verifier's "
@@ -182,7 +184,8 @@ def run_convert(args: argparse.Namespace) -> dict[str, Any]:
     notes: list[str] = []
     unchecked: list[str] = []
     d2t, t2d = _vocab_maps(base, notes)
-    problems = _problems(base, verifier if args.verifier else None, internal, unchecked)
+    problems = _problems(base, (d2t, t2d), verifier if args.verifier else None, internal,
+                         unchecked)
     if problems:
         raise base_drafter.BaseDrafterError(src, problems)
     weights: dict[str, TensorLike] = {**base.weights, "d2t": d2t, "t2d": t2d}
@@ -195,8 +198,9 @@ def run_convert(args: argparse.Namespace) -> dict[str, Any]:
     source = {"from": str(src), "files": identity, "verifier": verifier, "dtype": args.dtype,
               "source_sglang": args.source_sglang, "sglang_aux_ids": args.sglang_aux_ids,
               "speculative_tokens": args.speculative_tokens}
-    provenance = directory_provenance(src, verifier) | {
-        "trust_remote_code": bool(args.verifier) and _remote_code(Path(verifier))}
+    provenance = directory_provenance(src, verifier)
+    provenance["trust_remote_code"] = bool(provenance.get("trust_remote_code")) or (
+        bool(args.verifier) and _remote_code(Path(verifier)))
     records = export_all(out, fmts, drafter, ctx, source, args.dtype, provenance, "sha256")
     report = {"from": str(src), "layout": base.layout, "verifier": verifier,
               "verifier_architecture": arch, "aux_layer_ids_written_in_source":

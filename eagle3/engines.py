@@ -148,30 +148,29 @@ def _timeout(server: ServerConfig, first: bool = False) -> Any:
                          connect=server.connect_timeout_s)
 
 
-def http_get(url: str, server: ServerConfig, first: bool = False) -> str:
+def _request(method: str, url: str, server: ServerConfig, first: bool = False,
+             **kwargs: Any) -> Any:
+    """One HTTP request; a timeout, an unreachable server or an HTTP error is a StageError with
+    the server's words."""
     import httpx
     try:
-        r = httpx.get(url, timeout=_timeout(server, first))
+        r = httpx.request(method, url, timeout=_timeout(server, first), **kwargs)
     except httpx.TimeoutException:
         raise StageError(_silent_message(url, server, first)) from None
     except httpx.TransportError as e:
         raise StageError(f"cannot reach {url} ({type(e).__name__}: {e})") from None
     if r.status_code >= 400:
-        raise StageError(f"HTTP {r.status_code} from {url}: {r.text[:300]}")
-    return r.text
+        raise StageError(f"HTTP {r.status_code} from {url}: {r.text[:500]}")
+    return r
+
+
+def http_get(url: str, server: ServerConfig, first: bool = False) -> str:
+    return _request("GET", url, server, first).text
 
 
 def http_post_json(url: str, payload: dict[str, Any], server: ServerConfig) -> dict[str, Any]:
-    """POST JSON and decode the reply; any failure is a StageError with the server's words."""
-    import httpx
-    try:
-        r = httpx.post(url, json=payload, timeout=_timeout(server))
-    except httpx.TimeoutException:
-        raise StageError(_silent_message(url, server, False)) from None
-    except httpx.TransportError as e:
-        raise StageError(f"cannot reach {url} ({type(e).__name__}: {e})") from None
-    if r.status_code >= 400:
-        raise StageError(f"HTTP {r.status_code} from {url}: {r.text[:500]}")
+    """POST JSON and decode the reply."""
+    r = _request("POST", url, server, json=payload)
     try:
         return r.json()
     except ValueError:

@@ -73,12 +73,11 @@ def directory_provenance(src: Path, verifier: Optional[str]) -> dict[str, Any]:
     out: dict[str, Any] = {"verifier": verifier, "converted_from": str(src), "training": {},
                            "vocab": {}, "acceptance": []}
     if ckpt:
-        run = Path(ckpt).parent.parent.parent  # <run>/04_train/step-N
+        run = Path(ckpt).parent.parent  # <run>/04_train/step-N
         out["checkpoint"] = ckpt
-        out["training"] = ((_read_json(run / "05_export" / "report.json") or {})
-                           .get("provenance") or {}).get("training", {})
-        out["vocab"] = ((_read_json(run / "05_export" / "report.json") or {})
-                        .get("provenance") or {}).get("vocab", {})
+        made = (_read_json(run / "05_export" / "report.json") or {}).get("provenance") or {}
+        out["training"], out["vocab"] = made.get("training", {}), made.get("vocab", {})
+        out["trust_remote_code"] = made.get("trust_remote_code", False)
         out["acceptance"] = measured_acceptance(run)
     return out
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from eagle3.config import Config
+from eagle3.config import Config, field_default
 
 MANIFEST = "manifest.json"
 LOCKS = ".locks"
@@ -146,16 +146,25 @@ def depends_on(cfg: Config, number: int) -> dict[str, Any]:
     return json.loads(json.dumps(out))  # tuples -> lists, as a manifest reads back
 
 
+_ABSENT = object()
+
+
 def _leaf_diffs(key: str, then: Any, now: Any) -> list[str]:
     if isinstance(then, dict) and isinstance(now, dict):
         return [d for k in sorted(set(then) | set(now))
-                for d in _leaf_diffs(f"{key}.{k}", then.get(k), now.get(k))]
-    return [] if then == now else [f"{key}: {then!r} there, {now!r} now"]
+                for d in _leaf_diffs(f"{key}.{k}", then.get(k, _ABSENT), now.get(k, _ABSENT))]
+    if then is _ABSENT and now == field_default(key.split(" (")[0]):
+        return []  # a setting added since, whose default is what the output was made with
+    if then == now:
+        return []
+    show = lambda v: "absent" if v is _ABSENT else repr(v)  # noqa: E731
+    return [f"{key}: {show(then)} there, {show(now)} now"]
 
 
 def config_changes(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """One line per changed leaf key, e.g. "data.num_samples: 8 there, 99 now"."""
-    return [d for key in current for d in _leaf_diffs(key, recorded.get(key), current[key])]
+    return [d for key in current
+            for d in _leaf_diffs(key, recorded.get(key, _ABSENT), current[key])]
 
 
 # ---------------------------------------------------------------------------------------------

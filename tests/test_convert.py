@@ -253,3 +253,30 @@ def test_exported_configs_read_as_written_and_through_transformers(tmp_path, tin
         assert parsed.rope_parameters["rope_theta"] == 10000.0
         assert parsed.rms_norm_eps == 1e-5
         assert parsed.eagle_config["eagle_aux_hidden_state_layer_ids"] == ids
+
+
+def test_model_card_carries_the_runs_training_and_measured_acceptance(tmp_path, tiny_verifier):
+    """Publishing a run's export with --from: the card names the training and stage 06's
+    measured acceptance, and serve commands for both engines' exports."""
+    run = tmp_path / "runs" / "r"
+    src = speculators_dir(tmp_path / "spec", drafter_for(tiny_verifier))
+    convert_dir(src, run / "05_export", "--verifier", str(tiny_verifier), "--formats", "vllm")
+    record_file = run / "05_export" / "vllm" / "eagle3_export.json"
+    record = json.loads(record_file.read_text())
+    record["source"]["checkpoint"] = str(run / "04_train" / "step-7")
+    record_file.write_text(json.dumps(record))
+    (run / "05_export" / "report.json").write_text(json.dumps({"provenance": {
+        "training": {"data": ["sharegpt"], "train_samples": 830, "step": 7, "epochs": 2,
+                     "tokens_seen": 361696, "regenerated_by_verifier": "vllm"},
+        "vocab": {"coverage": 0.952}}}))
+    (run / "06_bench").mkdir(parents=True)
+    (run / "06_bench" / "results.json").write_text(json.dumps({"results": [
+        {"engine": "vllm", "run": "3/1/4", "depth": {"steps": 3}, "concurrency": 4,
+         "prompt_set": "mtbench", "temperature": 0.0, "mean_acceptance_length": 1.5,
+         "speedup": 1.2}]}))
+    convert_dir(run / "05_export" / "vllm", tmp_path / "pub", "--verifier", str(tiny_verifier))
+    card = (tmp_path / "pub" / "sglang" / "README.md").read_text()
+    assert "| vllm | 3/1/4 | 4 | mtbench | 0 | 1.500 | 1.20x |" in card
+    assert "step 7, 361696 tokens, 2 epochs" in card and "covering 95.2%" in card
+    assert f"--speculative-draft-model-path {tmp_path / 'pub' / 'sglang'}" in card
+    assert f'"model": "{tmp_path / "pub" / "vllm"}"' in card

@@ -85,3 +85,16 @@ def test_upstream_checks_and_restart(tmp_path, tiny_verifier):
     moved = Stage(other, 1).restart()
     assert moved.exists() and (moved / "manifest.json").exists()
     assert not s1.dir.exists()
+
+
+def test_a_setting_added_since_keeps_old_outputs_valid_at_its_default():
+    """An output recorded before `train.lk_eta` existed was made with its default: no change;
+    any other value is one, named as absent there."""
+    from eagle3.runs import config_changes
+
+    recorded = {"train": {"lr": 1e-3}}
+    assert config_changes(recorded, {"train": {"lr": 1e-3, "lk_eta": 3.0, "loss": "kl"}}) == []
+    assert config_changes(recorded, {"train": {"lr": 1e-3, "loss": "lk_lambda"}}) == [
+        "train.loss: absent there, 'lk_lambda' now"]
+    assert config_changes({"train": {"lr": 1e-3, "loss": "kl"}}, {"train": {"lr": 1e-3}}) == [
+        "train.loss: 'kl' there, absent now"]
