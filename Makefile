@@ -1,6 +1,7 @@
 # Two commands do everything on a fresh machine:
 #   make demo   set up, prepare the verifier, run all six stages on the CPU config, print the table
-#   make test   set up, prepare the verifier, run the tests (unit + one end-to-end with real vLLM)
+#   make test   set up (plus SGLang for its parser and loader), prepare the verifiers, run the
+#               tests (unit, end-to-end with real vLLM, the Kimi rehearsal at its smallest size)
 
 PYTHON ?= python3
 VENV   := .venv

@@ -370,3 +370,21 @@ def test_run_export_refuses_non_finite_checkpoint(tmp_path, tiny_verifier):
     with pytest.raises(StageError, match="lm_head.weight` has NaN or infinite values"):
         run_export(Stage(cfg, 5))
     assert not (Stage(cfg, 5).dir / "vllm").exists()
+
+
+def test_speculators_export_names_the_verifier_by_absolute_path(tmp_path, tiny_verifier,
+                                                                 monkeypatch):
+    """`vllm serve DIR` starts the verifier named in the speculators config: a relative path
+    would work only from the directory the export was made in."""
+    from eagle3.export import run_export
+    from eagle3.runs import Stage
+
+    monkeypatch.chdir(tiny_verifier.parent)
+    cfg = _fake_train_run(tmp_path, tiny_verifier)
+    cfg = dataclasses.replace(cfg, export=dataclasses.replace(cfg.export,
+                                                              formats=["speculators"]),
+                              verifier=dataclasses.replace(cfg.verifier,
+                                                           path=tiny_verifier.name))
+    run_export(Stage(cfg, 5))
+    conf = json.loads((Stage(cfg, 5).dir / "speculators" / "config.json").read_text())
+    assert conf["speculators_config"]["verifier"]["name_or_path"] == str(tiny_verifier.resolve())

