@@ -1,6 +1,6 @@
 """Training-time acceptance estimate against the engine, on the very sequences it served.
 
-    .venv/bin/python bench/bench_quality.py configs/smollm2-135m-quality.yaml [--k 3] [section.key=value ...]
+    .venv/bin/python bench/bench_quality.py CONFIG [--k 3] [--temperature 0.6] [section.key=value ...]
 
 Stage 06 records, for each MT-bench prompt, the answer vLLM wrote with the drafter at K
 speculative tokens (the greedy cell `results/vllm-K_1_K+1-c*-mtbench-t0.json`), and the engine's mean acceptance length over those drafts. This rebuilds
@@ -21,6 +21,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -47,14 +48,20 @@ def as_stored(aux: torch.Tensor, final: torch.Tensor, dtype: str,
     return aux.float(), enc["final"].float()
 
 
-def served_samples(cfg, k: int) -> tuple[list[dict[str, list[int]]], dict]:
-    """(input_ids and loss mask per served conversation, the engine's result for K=k)."""
-    found = sorted((Stage(cfg, 6).dir / "results").glob(f"vllm-{k}_1_{k + 1}-c*-mtbench-t0.json"))
+def served_cell(cfg, k: int, temperature: float) -> dict:
+    """The engine's MT-bench vLLM cell at depth `k` and `temperature`."""
+    found = sorted((Stage(cfg, 6).dir / "results").glob(
+        f"vllm-{k}_1_{k + 1}-c*-mtbench-t{temperature:g}.json"))
     if not found:
-        sys.exit(f"no greedy MT-bench vLLM cell at depth {k} in {Stage(cfg, 6).dir}/results: run "
-                 f"`python 06_deploy_and_bench.py {cfg.source}` with {k} in the vllm engine's "
-                 f"depths and 0.0 in bench.temperature")
-    result = json.loads(found[0].read_text())
+        sys.exit(f"no MT-bench vLLM cell at depth {k} and T={temperature:g} in "
+                 f"{Stage(cfg, 6).dir}/results: run `python 06_deploy_and_bench.py "
+                 f"{cfg.source}` with {k} in the vllm engine's depths and {temperature} in "
+                 f"bench.temperature")
+    return json.loads(found[0].read_text())
+
+
+def served_samples(cfg, result: dict) -> list[dict[str, list[int]]]:
+    """Input ids and loss mask of every conversation the engine served in a cell."""
     max_tokens = result["settings"]["max_tokens"]
     tok = load_tokenizer(cfg)
     stop_ids = set(stop_token_ids(tok, cfg))
@@ -71,7 +78,35 @@ def served_samples(cfg, k: int) -> tuple[list[dict[str, list[int]]], dict]:
             if m and seen > max_tokens:
                 mask[i] = 0
         samples.append({"input_ids": ids, "loss_mask": mask})
-    return samples, result
+    return samples
+
+
+def estimate(cfg, samples: list[dict], model: Eagle3DraftModel, k: int, batch_tokens: int,
+             temperature: Optional[float]) -> dict:
+    """The TTT metrics of `model` on `samples`, the verifier's states captured as stage 02
+    does (same dtype round trip); with `temperature`, the sampled estimates too."""
+    aux_ids = list(cfg.verifier_info.aux_layer_ids)
+    base = load_text_decoder(cfg.verifier_path, cfg.verifier.dtype, [torch.device("cpu")],
+                             cfg.verifier.trust_remote_code)
+    states = capture_samples(base, Capture(base, aux_ids), [s["input_ids"] for s in samples],
+                             batch_tokens)
+    del base
+    docs = []
+    for s, (aux, final) in zip(samples, states):
+        aux, final = as_stored(aux, final, cfg.hidden_states.dtype, len(aux_ids))
+        docs.append({"input_ids": torch.tensor(s["input_ids"]),
+                     "loss_mask": torch.tensor(s["loss_mask"]), "aux": aux, "final": final})
+    lm_head = read_tensor(cfg.verifier_path, "lm_head").float()
+    draft_ids = torch.arange(len(model.d2t)) + model.d2t
+    stats = StepStats.zeros(k, temperature)
+    lengths = [len(d["input_ids"]) for d in docs]
+    for group in pack(lengths, list(range(len(docs))), batch_tokens):
+        batch, teacher = prepare_batch([docs[i] for i in group], batch_tokens,
+                                       torch.device("cpu"), torch.float32, lm_head, draft_ids,
+                                       temperature=temperature)
+        stats.add(ttt_forward(model, batch, teacher, k, 0.8,
+                              estimate_temperature=temperature)[1])
+    return stats.metrics()
 
 
 def main() -> None:
@@ -80,49 +115,45 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="section.key=value, as given to the stages")
     ap.add_argument("--k", type=int, default=3, help="speculative tokens of the bench run")
     ap.add_argument("--batch-tokens", type=int, default=4096)
-    args = ap.parse_args()
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="also the expected acceptance at this sampling temperature, on the "
+                         "text the engine sampled at it, against that cell")
+    args = ap.parse_intermixed_args()
     cfg = load_config(args.config, args.overrides)
     torch.set_grad_enabled(False)
 
-    samples, result = served_samples(cfg, args.k)
     aux_ids = list(cfg.verifier_info.aux_layer_ids)
-    base = load_text_decoder(cfg.verifier_path, cfg.verifier.dtype, [torch.device("cpu")],
-                             cfg.verifier.trust_remote_code)
-    states = capture_samples(base, Capture(base, aux_ids), [s["input_ids"] for s in samples],
-                             args.batch_tokens)
-    del base
-    docs = []
-    for s, (aux, final) in zip(samples, states):
-        aux, final = as_stored(aux, final, cfg.hidden_states.dtype, len(aux_ids))
-        docs.append({"input_ids": torch.tensor(s["input_ids"]),
-                     "loss_mask": torch.tensor(s["loss_mask"]), "aux": aux, "final": final})
-
     c = ckpt.load(ckpt.resolve(Stage(cfg, 4).dir, cfg.export.checkpoint))
-    which = c.path
     if c.aux_layer_ids != aux_ids:
-        sys.exit(f"{which} was trained on aux ids {c.aux_layer_ids}, the config says {aux_ids}")
+        sys.exit(f"{c.path} was trained on aux ids {c.aux_layer_ids}, the config says {aux_ids}")
     model = Eagle3DraftModel(c.draft).eval()
-    embed = read_tensor(cfg.verifier_path, "embed")
-    model.load_state_dict({**c.weights, "embed_tokens.weight": embed})
-    lm_head = read_tensor(cfg.verifier_path, "lm_head").float()
-    draft_ids = torch.arange(len(model.d2t)) + model.d2t
+    model.load_state_dict({**c.weights,
+                           "embed_tokens.weight": read_tensor(cfg.verifier_path, "embed")})
 
-    stats = StepStats.zeros(args.k)
-    lengths = [len(d["input_ids"]) for d in docs]
-    for group in pack(lengths, list(range(len(docs))), args.batch_tokens):
-        batch, teacher = prepare_batch([docs[i] for i in group], args.batch_tokens,
-                                       torch.device("cpu"), torch.float32, lm_head, draft_ids)
-        stats.add(ttt_forward(model, batch, teacher, args.k, 0.8)[1])
-    est = stats.metrics()
+    result = served_cell(cfg, args.k, 0.0)
+    samples = served_samples(cfg, result)
+    est = estimate(cfg, samples, model, args.k, args.batch_tokens, None)
     engine = result["mean_acceptance_length"]
-    out = {"checkpoint": str(which), "k": args.k, "prompts": len(docs),
+    out = {"checkpoint": str(c.path), "k": args.k, "prompts": len(samples),
            "answer_tokens": int(sum(sum(s["loss_mask"]) for s in samples)),
            "engine_accept_len": round(engine, 4),
            "engine_per_position": [round(x, 4) for x in result["per_position_acceptance"]],
            "estimate_accept_len": est["est_accept_len"], "estimate_full_acc": est["full_acc"],
            "estimate_acc": est["acc"],
            "relative_gap": round((est["est_accept_len"] - engine) / engine, 4)}
-    path = Path(cfg.run_dir) / f"bench_quality_k{args.k}.json"
+    if args.temperature:
+        sampled = served_cell(cfg, args.k, args.temperature)
+        est_t = estimate(cfg, served_samples(cfg, sampled), model, args.k, args.batch_tokens,
+                         args.temperature)
+        out |= {"temperature": args.temperature,
+                "engine_accept_len_sampled": round(sampled["mean_acceptance_length"], 4),
+                "engine_per_position_sampled": [
+                    round(x, 4) for x in sampled["per_position_acceptance"]],
+                "estimate_accept_len_sampled": est_t["est_accept_len_sampled"],
+                "estimate_accept_len_greedy_draft": est_t["est_accept_len_greedy_draft"],
+                "estimate_argmax_agreement_on_sampled_text": est_t["acc"]}
+    name = f"bench_quality_k{args.k}" + (f"_t{args.temperature:g}" if args.temperature else "")
+    path = Path(cfg.run_dir) / f"{name}.json"
     path.write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(out, indent=1))
     print(f"engine {engine:.3f} vs training-time estimate {est['est_accept_len']:.3f} "

@@ -571,8 +571,9 @@ class _LogWindow:
                  t.state.step, t.total_steps, record["loss"], wm["acc"][0],
                  wm["est_accept_len"], record["lr"], rate,
                  (f" | val est_len {val['est_accept_len']:.3f}" + (
-                     f" (T={val['sampled_temperature']:g}: "
-                     f"{val['est_accept_len_sampled']:.3f})"
+                     f" (T={val['sampled_temperature']:g}: sampled drafts "
+                     f"{val['est_accept_len_sampled']:.3f}, greedy drafts "
+                     f"{val['est_accept_len_greedy_draft']:.3f})"
                      if "est_accept_len_sampled" in val else "")) if val else "")
         self.window = StepStats.zeros(t.tc.ttt_steps)
         self.t_last, self.tok_last = time.time(), t.state.tokens_seen
@@ -661,7 +662,7 @@ def _tensorboard_record(tb: Any, record: dict[str, Any]) -> None:
                 for k, x in enumerate(value):
                     tb.add_scalar(f"{split}/{key}_{k}", x, step)
             elif key in ("loss", "lr", "grad_norm", "est_accept_len", "est_accept_len_sampled",
-                         "tokens"):
+                         "est_accept_len_greedy_draft", "tokens"):
                 tb.add_scalar(f"{split}/{key}", value, step)
 
 

@@ -22,7 +22,9 @@ distribution restricted to V_d (not renormalized):
 Metrics: acc_k (draft argmax == verifier argmax), full_acc_k (steps 0..k all right, over chains
 started at step-0-counted positions), the estimated acceptance length 1 + sum_k full_acc_k
 (greedy serving) and, at a sampling temperature T, the expected one: 1 + sum_k of the mean over
-chains of prod_{j<=k} alpha_j computed from p and q at temperature T.
+chains of prod_{j<=k} a_j, with a_j = alpha at temperature T when drafts are sampled from q
+(`est_accept_len_sampled`), or a_j = p_T(argmax q) when the engine drafts greedily and accepts
+a draft with the verifier's probability of it, as vLLM does (`est_accept_len_greedy_draft`).
 
     batch, teacher = prepare_batch(samples, budget, device, dtype, lm_head, draft_ids)
     loss, stats = ttt_forward(model, batch, teacher, ttt_steps=3, step_decay=0.8)
@@ -131,6 +133,8 @@ class StepStats:
     """Per step: sum over counted positions of the acceptance probability alpha (T = 1)."""
     expected: list[float] = dataclasses.field(default_factory=list)
     """Per step k: sum over chains of prod_{j<=k} alpha_j at the estimate's temperature."""
+    expected_greedy: list[float] = dataclasses.field(default_factory=list)
+    """The same with a_j = p_T(the draft's argmax): greedy drafting."""
     objective: float = 0.0
     """The weighted loss that was backpropagated, summed over micro-batches."""
     batches: int = 0
@@ -139,11 +143,12 @@ class StepStats:
 
     @classmethod
     def zeros(cls, k: int, temperature: Optional[float] = None) -> "StepStats":
-        return cls([0.0] * k, [0] * k, [0] * k, [0] * k, [0.0] * k, [0.0] * k,
+        return cls([0.0] * k, [0] * k, [0] * k, [0] * k, [0.0] * k, [0.0] * k, [0.0] * k,
                    temperature=temperature)
 
     def add(self, other: "StepStats") -> None:
-        for name in ("loss", "counted", "correct", "full", "alpha", "expected"):
+        for name in ("loss", "counted", "correct", "full", "alpha", "expected",
+                     "expected_greedy"):
             mine, theirs = getattr(self, name), getattr(other, name)
             for i in range(len(mine)):
                 mine[i] += theirs[i]
@@ -155,11 +160,12 @@ class StepStats:
         """These counts summed over all ranks (a collective; one process: unchanged)."""
         k = len(self.loss)
         v = dist.all_reduce_sum(self.loss + self.counted + self.correct + self.full
-                                + self.alpha + self.expected + [self.objective, self.batches])
+                                + self.alpha + self.expected + self.expected_greedy
+                                + [self.objective, self.batches])
         ints = lambda xs: [int(x) for x in xs]  # noqa: E731
         return StepStats(v[:k], ints(v[k:2 * k]), ints(v[2 * k:3 * k]), ints(v[3 * k:4 * k]),
-                         v[4 * k:5 * k], v[5 * k:6 * k], v[6 * k], int(v[6 * k + 1]),
-                         self.temperature)
+                         v[4 * k:5 * k], v[5 * k:6 * k], v[6 * k:7 * k], v[7 * k],
+                         int(v[7 * k + 1]), self.temperature)
 
     def metrics(self) -> dict[str, Any]:
         chains = max(self.counted[0], 1)
@@ -175,6 +181,8 @@ class StepStats:
         }
         if self.temperature:
             out["est_accept_len_sampled"] = 1.0 + sum(e / chains for e in self.expected)
+            out["est_accept_len_greedy_draft"] = 1.0 + sum(e / chains
+                                                           for e in self.expected_greedy)
             out["sampled_temperature"] = self.temperature
         return {k: ([round(x, 5) for x in v] if isinstance(v, list) else round(v, 5))
                 for k, v in out.items()}
@@ -229,7 +237,7 @@ def ttt_forward(model: Eagle3DraftModel, batch: Batch, teacher: Teacher, ttt_ste
     mask = causal_doc_mask(batch.doc_ids)
     cache = model.new_cache()
     h = model.project(batch.aux)
-    alive = chain_p = None
+    alive = chain_p = chain_g = None
     total = h.new_zeros(())
     stats = StepStats.zeros(ttt_steps, estimate_temperature)
     for k in range(ttt_steps):
@@ -262,11 +270,15 @@ def ttt_forward(model: Eagle3DraftModel, batch: Batch, teacher: Teacher, ttt_ste
             stats.full[k] = int((alive & chains).sum())
             stats.alpha[k] = float((alpha * counted).sum())
             if estimate_temperature:
-                a_t = acceptance_probability(logits, t_logits,
-                                             teacher.lse_t.gather(1, src_c),
+                lse_t = teacher.lse_t.gather(1, src_c)
+                a_t = acceptance_probability(logits, t_logits, lse_t,
                                              estimate_temperature) * counted
+                g_t = torch.exp(t_logits.float().gather(-1, logits.argmax(-1, keepdim=True))
+                                .squeeze(-1) / estimate_temperature - lse_t) * counted
                 chain_p = a_t if chain_p is None else chain_p * a_t
+                chain_g = g_t if chain_g is None else chain_g * g_t
                 stats.expected[k] = float((chain_p * chains).sum())
+                stats.expected_greedy[k] = float((chain_g * chains).sum())
     stats.objective, stats.batches = float(total.detach()), 1
     return total, stats
 

@@ -543,6 +543,11 @@ def test_a_trained_drafter_that_accepts_nothing_fails_its_cell(tmp_path, tiny_ve
     saved = json.loads((stage.dir / "results" / "sglang-3_1_4-c4-mtbench-t0.json").read_text())
     assert saved["failed"] and any("aux ids" in c for c in saved["alarm"]["check"])
     assert not stage.is_done()
+    # Sampling: a weak drafter honestly accepts little; only greedy cells raise the alarm.
+    sampled = _bench_config(tmp_path, tiny_verifier, fake_python, engines=engines_cfg,
+                            num_prompts=20, max_tokens=12, concurrency=[4], temperature=[0.6])
+    bench.run_bench(Stage6(sampled))
+    assert Stage6(sampled).is_done()
     # A random drafter, said so in the config, is no alarm.
     relaxed = _bench_config(tmp_path, tiny_verifier, fake_python, engines=engines_cfg,
                             num_prompts=20, max_tokens=12, concurrency=[4],

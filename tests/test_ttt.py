@@ -82,9 +82,10 @@ def naive_doc(model, s, lm_head, steps, decay, nbr, temperature=0.7):
     h = model.fc(s["aux"])
     keys, values = [], []
     out = {"ce": [], "n": [], "correct": [], "alive": [], "nla": [], "kl": [], "tv": [],
-           "alpha_w": [], "alpha": [], "chain": []}
+           "alpha_w": [], "alpha": [], "chain": [], "chain_g": []}
     alive = torch.ones(T, dtype=torch.bool)
     chain = torch.ones(T, dtype=torch.float64)
+    chain_g = torch.ones(T, dtype=torch.float64)
     started = torch.zeros(T, dtype=torch.bool)
     for k in range(steps):
         inp = torch.tensor([ids[t + 1 + k] if t + 1 + k < T else 0 for t in range(T)])
@@ -95,6 +96,7 @@ def naive_doc(model, s, lm_head, steps, decay, nbr, temperature=0.7):
         nla = kl = tv = alpha_w = alpha_all = 0.0
         counted = torch.zeros(T, dtype=torch.bool)
         a_temp = torch.zeros(T, dtype=torch.float64)
+        g_temp = torch.zeros(T, dtype=torch.float64)
         for t in range(T):
             src, tgt = t + 1 + k, t + 2 + k
             if tgt >= T or not mask[tgt]:
@@ -112,6 +114,7 @@ def naive_doc(model, s, lm_head, steps, decay, nbr, temperature=0.7):
             qt = torch.softmax(logits[t] / temperature, -1).detach()
             pt = torch.softmax(teacher / temperature, -1)[draft_ids]
             a_temp[t] = sum(min(float(pt[x]), float(qt[x])) for x in range(VD))
+            g_temp[t] = float(pt[int(logits[t].argmax())])  # greedy draft, accepted w.p. p_T
             if model.t2d[arg]:
                 p = torch.softmax(teacher[draft_ids], -1)
                 ce_sum = ce_sum - (p * torch.log_softmax(logits[t], -1)).sum()
@@ -124,6 +127,8 @@ def naive_doc(model, s, lm_head, steps, decay, nbr, temperature=0.7):
             started = counted.clone()
         chain = chain * torch.where(counted, a_temp, torch.zeros_like(a_temp))
         out["chain"].append(float((chain * started).sum()))
+        chain_g = chain_g * torch.where(counted, g_temp, torch.zeros_like(g_temp))
+        out["chain_g"].append(float((chain_g * started).sum()))
         out["nla"].append(nla)
         out["kl"].append(kl)
         out["tv"].append(tv)
@@ -182,6 +187,8 @@ def test_lk_losses_and_sampled_estimate_match_naive_reference(loss):
         want += decay ** k * float(torch.as_tensor(step).detach())
         assert stats.alpha[k] == pytest.approx(sum(r["alpha"][k] for r in refs), rel=1e-5)
         assert stats.expected[k] == pytest.approx(sum(r["chain"][k] for r in refs), rel=1e-5)
+        assert stats.expected_greedy[k] == pytest.approx(sum(r["chain_g"][k] for r in refs),
+                                                         rel=1e-5)
     assert float(got.detach()) == pytest.approx(want, rel=1e-5)
     m = stats.metrics()
     chains = stats.counted[0]
