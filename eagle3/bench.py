@@ -322,9 +322,9 @@ def cell_settings(stage: Stage, engine: BenchEngineConfig, cell: Cell,
 
 
 def engine_args(engine: BenchEngineConfig, depth: Optional[Depth], draft_dir: Path,
-                concurrency: int) -> list[str]:
+                concurrency: int, metrics: bool = True) -> list[str]:
     """The stage's own flags for one server: speculation at `depth` (none for the baseline),
-    tensor parallelism, and SGLang's metrics and request cap."""
+    tensor parallelism, and SGLang's request cap and (`metrics`) its Prometheus endpoint."""
     extra = list(engine.server.extra_args)
     args = []
     if engine.name == "vllm":
@@ -339,7 +339,7 @@ def engine_args(engine: BenchEngineConfig, depth: Optional[Depth], draft_dir: Pa
         return args
     if engine.tp:
         args += ["--tp-size", str(engine.tp)]
-    if "--enable-metrics" not in extra:
+    if metrics and "--enable-metrics" not in extra:
         args.append("--enable-metrics")
     if concurrency > 48 and "--max-running-requests" not in extra:  # SGLang caps at 48
         args += ["--max-running-requests", str(concurrency)]

@@ -94,8 +94,8 @@ def serve_commands(fmt: str, export_dir: Path, siblings: dict[str, Path], verifi
     dirs[ENGINE_OF[fmt]] = export_dir
     remote = ["--trust-remote-code"] if trust_remote_code else []
     for engine, d in sorted(dirs.items()):
-        flags = [a for a in engine_args(BenchEngineConfig(name=engine), Depth(depth, 1, depth + 1),
-                                        d, 1) if a != "--enable-metrics"]
+        flags = engine_args(BenchEngineConfig(name=engine), Depth(depth, 1, depth + 1), d, 1,
+                            metrics=False)
         head = (["vllm", "serve", verifier] if engine == "vllm" else
                 ["python", "-m", "sglang.launch_server", "--model-path", verifier])
         out[engine] = shlex.join(head + flags + remote)

@@ -16,7 +16,6 @@ the last good checkpoint; nothing non-finite is ever saved.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging

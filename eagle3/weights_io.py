@@ -60,10 +60,7 @@ class LazyTensor:
         return len(self.shape)
 
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return _numel(self.shape)
 
     def is_floating_point(self) -> bool:
         return self.dtype.is_floating_point

@@ -25,6 +25,17 @@ TINY_HEADS = 4
 TINY_KV_HEADS = 2
 
 
+def run_stage(script: str, cfg, *extra: str, env: dict | None = None, cwd: Path = REPO,
+              check: bool = False, timeout: float | None = None):
+    """A stage script (or any repo script taking a config) as a user runs it, offline."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, str(REPO / script), str(cfg.source), *extra],
+                          cwd=cwd, env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
+                          check=check, capture_output=True, text=True, timeout=timeout)
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: end-to-end tests with real models and servers")
 

@@ -19,16 +19,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, make_config
+from conftest import REPO, make_config, run_stage
 from eagle3.runs import Stage, depends_on
 
 UPSTREAM = ["01_generate_data.py", "02_extract_hidden_states.py", "03_build_vocab_map.py"]
 
 
 def run(script, cfg, *extra, env=None, cwd=REPO):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
-    return subprocess.run([sys.executable, str(REPO / script), str(cfg.source), *extra],
-                          cwd=cwd, env=env, capture_output=True, text=True)
+    return run_stage(script, cfg, *extra, env=env, cwd=cwd)
 
 
 def one_line_error(out) -> str:
@@ -57,8 +55,6 @@ def prepared(tmp_path_factory, tiny_verifier):
 
 def copy_run(cfg, dest: Path, verifier: Path = None):
     """A second run directory with the same finished stages (and a config pointing at it)."""
-    import dataclasses
-
     import yaml
     shutil.copytree(cfg.run_dir, dest / "runs" / cfg.run.name, ignore=shutil.ignore_patterns(
         "04_train*", ".locks"))

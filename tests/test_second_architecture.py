@@ -12,15 +12,13 @@ the first 49,152 rows of the vocabulary.
 
 import importlib.util
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REPO, make_config
+from conftest import make_config, run_stage
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -95,9 +93,7 @@ def test_final_norm_is_the_verifiers_own(gemma_verifier):
 
 
 def run(script: str, cfg) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    out = subprocess.run([sys.executable, str(REPO / script), str(cfg.source)], cwd=REPO,
-                         env=env, capture_output=True, text=True, timeout=900)
+    out = run_stage(script, cfg, timeout=900)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     return out
 

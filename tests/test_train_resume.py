@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, make_config
+from conftest import REPO, make_config, run_stage
 from eagle3.checkpoint import read_pointer, step_dirs
 
 
@@ -25,9 +25,7 @@ STAGE_SCRIPTS = ["01_generate_data.py", "02_extract_hidden_states.py", "03_build
 
 
 def run_script(script, cfg, *extra, check=True):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, script, cfg.source, *extra], cwd=REPO, env=env,
-                          check=check, capture_output=True, text=True)
+    return run_stage(script, cfg, *extra, check=check)
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from eagle3.model import DraftModelConfig, Eagle3DraftModel, apply_rope, rope_cos_sin
 from eagle3.shards import collate, pack
