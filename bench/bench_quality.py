@@ -35,6 +35,7 @@ from eagle3.hidden_states import Capture, capture_samples  # noqa: E402
 from eagle3.model import Eagle3DraftModel  # noqa: E402
 from eagle3.runs import Stage  # noqa: E402
 from eagle3.shards import dequantize_fp8, encode, pack  # noqa: E402
+from eagle3.teacher import VerifierHead  # noqa: E402
 from eagle3.ttt import StepStats, prepare_batch, ttt_forward  # noqa: E402
 from eagle3.verifier import (load_text_decoder, load_tokenizer, read_tensor,  # noqa: E402
                              stop_token_ids)
@@ -97,12 +98,12 @@ def estimate(cfg, samples: list[dict], model: Eagle3DraftModel, k: int, batch_to
         docs.append({"input_ids": torch.tensor(s["input_ids"]),
                      "loss_mask": torch.tensor(s["loss_mask"]), "aux": aux, "final": final})
     lm_head = read_tensor(cfg.verifier_path, "lm_head").float()
-    draft_ids = torch.arange(len(model.d2t)) + model.d2t
+    head = VerifierHead.of(lm_head, torch.arange(len(model.d2t)) + model.d2t)
     stats = StepStats.zeros(k, temperature)
     lengths = [len(d["input_ids"]) for d in docs]
     for group in pack(lengths, list(range(len(docs))), batch_tokens):
         batch, teacher = prepare_batch([docs[i] for i in group], batch_tokens,
-                                       torch.device("cpu"), torch.float32, lm_head, draft_ids,
+                                       torch.device("cpu"), torch.float32, head,
                                        temperature=temperature)
         stats.add(ttt_forward(model, batch, teacher, k, 0.8,
                               estimate_temperature=temperature)[1])

@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3.model import DraftModelConfig, Eagle3DraftModel  # noqa: E402
 from eagle3.shards import collate  # noqa: E402
-from eagle3.ttt import make_teacher, ttt_forward  # noqa: E402
+from eagle3.teacher import VerifierHead, make_teacher  # noqa: E402
+from eagle3.ttt import ttt_forward  # noqa: E402
 
 VOCAB, HIDDEN = 49152, 576
 
@@ -75,12 +76,12 @@ def setup(args: argparse.Namespace):
 
 def run_ours(args, model, verifier_head, docs) -> tuple[callable, dict]:
     batch = collate([{k: v for k, v in d.items() if k != "y"} for d in docs], 1 << 30)
-    draft_ids = torch.arange(args.draft_vocab) + model.d2t
+    head = VerifierHead.of(verifier_head, torch.arange(args.draft_vocab) + model.d2t)
     teacher_s: list[float] = []
 
     def step() -> None:
         t0 = time.perf_counter()
-        teacher = make_teacher(batch.final, verifier_head, draft_ids)
+        teacher = make_teacher(batch.final, head)
         teacher_s.append(time.perf_counter() - t0)
         loss, _ = ttt_forward(model, batch, teacher, args.ttt, 0.8)
         loss.backward()

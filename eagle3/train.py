@@ -35,6 +35,7 @@ from eagle3.formats import ExportContext, speculators_config
 from eagle3.model import DraftModelConfig, Eagle3DraftModel
 from eagle3.runs import Stage, StageError, atomic_write_json, atomic_write_text, clean_stale_tmp
 from eagle3.shards import HiddenStates, pack
+from eagle3.teacher import TeacherCache, VerifierHead
 from eagle3.ttt import StepStats, TTTObjective, prepare_batch, ttt_forward
 from eagle3.verifier import read_tensor
 from eagle3.vocab import load_vocab, remap_lm_head
@@ -195,7 +196,7 @@ def measure_base(stage: Stage, base: base_drafter.BaseDrafter, model: Eagle3Draf
     cfg, tc = stage.cfg, stage.cfg.train
     data = HiddenStates(stage.upstream(2).dir / MEASURE_DIR)
     hidden = data.hidden_size
-    draft_ids = torch.arange(len(model.d2t)) + model.d2t
+    head = VerifierHead.of(lm_head, torch.arange(len(model.d2t)) + model.d2t)
     scores = {}
     for name, ids in base_drafter.candidate_aux_ids(
             base.aux_layer_ids, cfg.verifier_info.num_hidden_layers).items():
@@ -207,8 +208,7 @@ def measure_base(stage: Stage, base: base_drafter.BaseDrafter, model: Eagle3Draf
             sample = data[i]
             sample["aux"] = sample["aux"][:, cols]
             batch, teacher = prepare_batch([sample], max(data.num_tokens(i), 1),
-                                           torch.device("cpu"), torch.float32, lm_head.float(),
-                                           draft_ids)
+                                           torch.device("cpu"), torch.float32, head)
             stats.add(ttt_forward(model, batch, teacher, tc.ttt_steps, tc.step_decay)[1])
         scores[name] = {"aux_layer_ids": ids, **stats.metrics()}
     return scores
@@ -252,8 +252,7 @@ class Trainer:
     lengths: list[int]
     train_idx: list[int]
     val_idx: list[int]
-    lm_head: torch.Tensor
-    draft_ids: torch.Tensor
+    head: VerifierHead
     model: Eagle3DraftModel
     total_steps: int
     steps_per_epoch: int
@@ -268,6 +267,7 @@ class Trainer:
     dtype: torch.dtype = torch.float32  # fp32 master weights; bf16 compute under autocast
     bf16: bool = False
     tb: Any = None
+    teacher_cache: TeacherCache = field(default_factory=TeacherCache)
 
     @property
     def tc(self) -> Any:
@@ -280,8 +280,8 @@ class Trainer:
     def batch(self, group: list[int], loss_on: Optional[str] = None,
               temperature: Optional[float] = None) -> Any:
         return prepare_batch([self.data[i] for i in group], self.tc.batch_tokens,
-                             self.ctx.device, self.dtype, self.lm_head, self.draft_ids, loss_on,
-                             temperature)
+                             self.ctx.device, self.dtype, self.head, loss_on, temperature,
+                             keys=group, cache=self.teacher_cache)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -327,8 +327,9 @@ def setup(stage: Stage) -> Trainer:
     model = model.to(ctx.device)
     model.lm_head.weight.requires_grad_(not tc.freeze_lm_head)
     parallel = tc.parallel if ctx.world_size > 1 else "none"
-    t = Trainer(stage, ctx, data, lengths, train_idx, val_idx, lm_head,
-                (torch.arange(len(d2t)) + d2t).to(ctx.device), model, total, steps_per_epoch,
+    t = Trainer(stage, ctx, data, lengths, train_idx, val_idx,
+                VerifierHead.of(lm_head, torch.arange(len(d2t)) + d2t), model, total,
+                steps_per_epoch,
                 parallel, base_info, bf16=tc.autocast == "bf16" or (
                     tc.autocast == "auto" and ctx.device.type == "cuda"))
     # Resume weights go in before any wrapping: every rank reads the same full checkpoint.
@@ -529,6 +530,7 @@ def run_train(stage: Stage) -> None:
         state.batch_in_epoch += len(groups)
         if state.batch_in_epoch >= len(batches):
             state.epoch, state.batch_in_epoch = state.epoch + 1, 0
+            t.teacher_cache.share()
         record = {"step": state.step, "epoch": state.epoch, "lr": t.scheduler.get_last_lr()[0],
                   "grad_norm": round(dist.to_float(grad_norm), 4), "tokens": state.tokens_seen,
                   **stats.metrics()}

@@ -26,7 +26,8 @@ chains of prod_{j<=k} a_j, with a_j = alpha at temperature T when drafts are sam
 (`est_accept_len_sampled`), or a_j = p_T(argmax q) when the engine drafts greedily and accepts
 a draft with the verifier's probability of it, as vLLM does (`est_accept_len_greedy_draft`).
 
-    batch, teacher = prepare_batch(samples, budget, device, dtype, lm_head, draft_ids)
+    batch, teacher = prepare_batch(samples, budget, device, dtype, 
+                                   VerifierHead.of(lm_head, draft_ids))
     loss, stats = ttt_forward(model, batch, teacher, ttt_steps=3, step_decay=0.8)
 """
 
@@ -35,57 +36,17 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Hashable, Optional
 
 import torch
 
 from eagle3 import dist
 from eagle3.model import Eagle3DraftModel, causal_doc_mask
 from eagle3.shards import Batch, collate
+from eagle3.teacher import Teacher, TeacherCache, VerifierHead, document_stats, make_teacher
 
 
 LOSSES = ("kl", "lk_alpha", "lk_lambda")
-
-
-@dataclass
-class Teacher:
-    """The verifier's next-token view of each position: draft-vocab logits, full argmax, and
-    the full-vocabulary log-normalizer (so p restricted to the draft vocabulary is
-    exp(draft_logits - lse), unrenormalized), also at the estimate's temperature."""
-    draft_logits: torch.Tensor  # [1, T, Vd]
-    argmax: torch.Tensor        # [1, T] target ids
-    lse: torch.Tensor           # [1, T] logsumexp of the full-vocabulary logits
-    lse_t: Optional[torch.Tensor] = None  # [1, T] the same of logits / temperature
-
-
-@torch.no_grad()
-def make_teacher(final: torch.Tensor, lm_head: torch.Tensor, draft_ids: torch.Tensor,
-                 needed: Optional[torch.Tensor] = None, chunk: int = 1024,
-                 temperature: Optional[float] = None) -> Teacher:
-    """Teacher from post-norm final states; full-vocab logits are built `chunk` rows at a time.
-
-    Only rows in `needed` ([1, T] bool, default all) are computed; the others are zero and must
-    never be read. The full-vocab product is the costliest part of a small drafter's step, and
-    prompt positions (no loss) need none. `temperature` adds the log-normalizer at T for the
-    sampled acceptance estimate."""
-    flat = final.reshape(-1, final.shape[-1])
-    rows = torch.arange(flat.shape[0], device=flat.device) if needed is None else \
-        needed.reshape(-1).nonzero().squeeze(1)
-    draft = flat.new_zeros(flat.shape[0], len(draft_ids), dtype=torch.float32)
-    argmax = torch.zeros(flat.shape[0], dtype=torch.long, device=flat.device)
-    lse = torch.zeros(flat.shape[0], dtype=torch.float32, device=flat.device)
-    lse_t = torch.zeros_like(lse) if temperature else None
-    for i in range(0, len(rows), chunk):
-        r = rows[i:i + chunk]
-        full = flat[r].float() @ lm_head.float().T
-        argmax[r] = full.argmax(-1)
-        draft[r] = full[:, draft_ids]
-        lse[r] = full.logsumexp(-1)
-        if lse_t is not None:
-            lse_t[r] = (full / temperature).logsumexp(-1)
-    shape = final.shape[:-1]
-    return Teacher(draft.view(*shape, -1), argmax.view(shape), lse.view(shape),
-                   None if lse_t is None else lse_t.view(shape))
 
 
 def teacher_rows(batch: Batch) -> torch.Tensor:
@@ -108,17 +69,21 @@ def training_targets(batch: Batch, loss_on: str) -> Batch:
 
 
 def prepare_batch(samples: list[dict[str, torch.Tensor]], budget: int, device: torch.device,
-                  dtype: torch.dtype, lm_head: torch.Tensor, draft_ids: torch.Tensor,
-                  loss_on: Optional[str] = None, temperature: Optional[float] = None
-                  ) -> tuple[Batch, Teacher]:
+                  dtype: torch.dtype, head: VerifierHead, loss_on: Optional[str] = None,
+                  temperature: Optional[float] = None, keys: Optional[list[Hashable]] = None,
+                  cache: Optional[TeacherCache] = None) -> tuple[Batch, Teacher]:
     """Samples -> (packed batch on `device`, its teacher). `loss_on` (training only) widens the
     trained positions; None keeps the assistant mask (validation, benchmarks). `temperature`:
-    see `make_teacher`."""
+    see `make_teacher`. With a `cache`, `keys` name the samples (one each) so their
+    full-vocabulary statistics are computed once per run (`eagle3.teacher`)."""
     batch = collate(samples, budget).to(device, dtype)
     if loss_on is not None:
         batch = training_targets(batch, loss_on)
-    return batch, make_teacher(batch.final, lm_head, draft_ids, teacher_rows(batch),
-                               temperature=temperature)
+    needed = teacher_rows(batch)
+    stats = document_stats(batch.final, batch.doc_end, needed, head, temperature,
+                           None if keys is None else [(k, loss_on, temperature) for k in keys],
+                           cache)
+    return batch, make_teacher(batch.final, head, needed, temperature, stats)
 
 
 @dataclass

@@ -51,7 +51,8 @@ from transformers import LlamaConfig
 
 from eagle3.model import DraftModelConfig, Eagle3DraftModel
 from eagle3.shards import collate  # noqa: E402
-from eagle3.ttt import make_teacher, ttt_forward
+from eagle3.teacher import VerifierHead, make_teacher
+from eagle3.ttt import ttt_forward
 
 _V, _VD, _H = 160, 48, 32
 _TTT, _DECAY = 4, 0.8
@@ -160,7 +161,7 @@ def test_logits_loss_and_gradients_match_speculators(attn, nbr, layers):
     draft_ids = torch.arange(_VD) + ours.d2t
 
     batch = collate([{k: v for k, v in d.items() if k != "y"} for d in docs], 10_000)
-    teacher = make_teacher(batch.final, verifier_head, draft_ids)
+    teacher = make_teacher(batch.final, VerifierHead.of(verifier_head, draft_ids))
     assert bool(ours.t2d[teacher.argmax].all())  # precondition: see module docstring
     our_logits = capture_lm_head(ours)
     our_loss, stats = ttt_forward(ours, batch, teacher, _TTT, _DECAY)

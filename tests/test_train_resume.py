@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -164,8 +165,8 @@ def one_process(prepared, tmp_path_factory):
 def test_two_processes_match_one_process_with_the_same_global_batch(
         prepared, one_process, tmp_path, parallel, port):
     two = copy_run(prepared, tmp_path / "two")
-    torchrun(two, "train.grad_accum=1", "train.max_steps=6", f"train.parallel={parallel}",
-             port=port)
+    out = torchrun(two, "train.grad_accum=1", "train.max_steps=6", f"train.parallel={parallel}",
+                   port=port)
     rec1, rec2 = metrics(one_process), metrics(two)
     assert len(rec1) == len(rec2) == 6
     for a, b in zip(rec1, rec2):
@@ -175,6 +176,11 @@ def test_two_processes_match_one_process_with_the_same_global_batch(
         assert a.get("val") == b.get("val")
     counts = Stage(two, 4).manifest()["counts"]
     assert counts["world_size"] == 2 and counts["parallel"] == parallel
+    # At the first epoch's end each rank holds the teacher statistics of every training sample,
+    # those the other rank computed included (each computed about half).
+    log = out.stdout + out.stderr
+    cached = re.search(r"teacher cache: (\d+) samples", log)
+    assert cached and int(cached.group(1)) >= counts["train_samples"], log[-3000:]
     # Checkpoints hold full tensors whatever the parallelism: the one-process layout, close
     # values, plain (unsharded) optimizer moments.
     w1 = load_file(find_latest(Stage(one_process, 4).dir) / "model.safetensors")

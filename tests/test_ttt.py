@@ -7,7 +7,8 @@ import torch
 
 from eagle3.model import DraftModelConfig, Eagle3DraftModel, apply_rope, rope_cos_sin
 from eagle3.shards import collate, pack
-from eagle3.ttt import StepStats, make_teacher, teacher_rows, training_targets, ttt_forward
+from eagle3.teacher import VerifierHead, make_teacher
+from eagle3.ttt import StepStats, teacher_rows, training_targets, ttt_forward
 
 V, VD, H, HT, NAUX = 96, 40, 32, 24, 3
 
@@ -148,7 +149,7 @@ def test_ttt_matches_naive_reference(lengths, nbr):
     lm_head = torch.randn(V, HT, dtype=torch.float64)
     docs = samples(lengths)
     batch = collate(docs, max_tokens=1000)
-    teacher = make_teacher(batch.final, lm_head, torch.arange(VD) + model.d2t)
+    teacher = make_teacher(batch.final, VerifierHead.of(lm_head, torch.arange(VD) + model.d2t))
     loss, stats = ttt_forward(model, batch, teacher, steps, decay)
 
     refs = [naive_doc(model, d, lm_head, steps, decay, nbr) for d in docs]
@@ -171,7 +172,8 @@ def test_lk_losses_and_sampled_estimate_match_naive_reference(loss):
     lm_head = torch.randn(V, HT, dtype=torch.float64)
     docs = samples([13, 9])
     batch = collate(docs, max_tokens=1000)
-    teacher = make_teacher(batch.final, lm_head, torch.arange(VD) + model.d2t, temperature=temp)
+    teacher = make_teacher(batch.final, VerifierHead.of(lm_head, torch.arange(VD) + model.d2t),
+                           temperature=temp)
     got, stats = ttt_forward(model, batch, teacher, steps, decay, loss, eta, temp)
     refs = [naive_doc(model, d, lm_head, steps, decay, False, temp) for d in docs]
     want = 0.0
@@ -223,7 +225,7 @@ def test_losses_have_finite_gradients_on_edge_cases(loss):
             for s in samples([12])]
     docs[0]["loss_mask"] = torch.zeros(12, dtype=torch.long)
     batch = collate(docs, 1000)
-    teacher = make_teacher(batch.final, lm_head, torch.arange(VD) + model.d2t)
+    teacher = make_teacher(batch.final, VerifierHead.of(lm_head, torch.arange(VD) + model.d2t))
     out, _ = ttt_forward(model, batch, teacher, 3, 0.8, loss)
     out.backward()
     assert float(out.detach()) == 0.0
@@ -235,7 +237,7 @@ def test_losses_have_finite_gradients_on_edge_cases(loss):
     outside = (~model.t2d).nonzero().squeeze(1)
     head = torch.zeros(V, HT)
     head[outside[0]] = 50.0  # the argmax is always this token
-    teacher = make_teacher(batch.final.abs() + 1, head, torch.arange(VD) + model.d2t)
+    teacher = make_teacher(batch.final.abs() + 1, VerifierHead.of(head, torch.arange(VD) + model.d2t))
     out, stats = ttt_forward(model, batch, teacher, 3, 0.8, loss)
     out.backward()
     assert float(out.detach()) == 0.0 and stats.counted[0] > 0
@@ -256,8 +258,8 @@ def test_teacher_only_on_supervised_rows_changes_nothing(steps):
     rows = teacher_rows(batch)
     assert 0 < int(rows.sum()) < batch.num_tokens // 2 + 3
     results = []
-    for teacher in (make_teacher(batch.final, lm_head, draft_ids),
-                    make_teacher(batch.final, lm_head, draft_ids, rows)):
+    for teacher in (make_teacher(batch.final, VerifierHead.of(lm_head, draft_ids)),
+                    make_teacher(batch.final, VerifierHead.of(lm_head, draft_ids), rows)):
         model.zero_grad()
         loss, stats = ttt_forward(model, batch, teacher, steps, 0.8)
         loss.backward()
@@ -283,7 +285,7 @@ def test_loss_on_all_trains_on_prompt_positions_too():
     counts = {}
     for loss_on in ("assistant", "all"):
         b = training_targets(batch, loss_on)
-        teacher = make_teacher(b.final, lm_head, draft_ids, teacher_rows(b))
+        teacher = make_teacher(b.final, VerifierHead.of(lm_head, draft_ids), teacher_rows(b))
         counts[loss_on] = ttt_forward(model, b, teacher, 3, 0.8)[1].counted
     # step k at aux position t >= 0 predicts x_{t+2+k}, t+2+k < L (a document of length L)
     assert counts["all"] == [sum(L - 2 - k for L in (14, 9)) for k in range(3)]
@@ -297,14 +299,13 @@ def test_packing_does_not_leak_between_documents():
     model = tiny_model()
     lm_head = torch.randn(V, HT, dtype=torch.float64)
     a, b = samples([10, 12])
-    draft_ids = torch.arange(VD) + model.d2t
+    head = VerifierHead.of(lm_head, torch.arange(VD) + model.d2t)
     alone = collate([b], 1000)
     packed = collate([a, b], 1000)
-    _, s_alone = ttt_forward(model, alone, make_teacher(alone.final, lm_head, draft_ids), 3, 0.8)
+    _, s_alone = ttt_forward(model, alone, make_teacher(alone.final, head), 3, 0.8)
     _, s_a = ttt_forward(model, collate([a], 1000),
-                         make_teacher(collate([a], 1000).final, lm_head, draft_ids), 3, 0.8)
-    _, s_packed = ttt_forward(model, packed, make_teacher(packed.final, lm_head, draft_ids), 3,
-                              0.8)
+                         make_teacher(collate([a], 1000).final, head), 3, 0.8)
+    _, s_packed = ttt_forward(model, packed, make_teacher(packed.final, head), 3, 0.8)
     for k in range(3):
         assert s_packed.counted[k] == s_alone.counted[k] + s_a.counted[k]
         assert s_packed.correct[k] == s_alone.correct[k] + s_a.correct[k]
@@ -315,8 +316,8 @@ def test_gradients_reach_every_trainable_weight():
     lm_head = torch.randn(V, HT)
     batch = collate([{k: (v.float() if v.is_floating_point() else v) for k, v in s.items()}
                      for s in samples([16])], 1000)
-    loss, _ = ttt_forward(model, batch, make_teacher(batch.final, lm_head,
-                                                     torch.arange(VD) + model.d2t), 3, 0.8)
+    head = VerifierHead.of(lm_head, torch.arange(VD) + model.d2t)
+    loss, _ = ttt_forward(model, batch, make_teacher(batch.final, head), 3, 0.8)
     loss.backward()
     for name, p in model.named_parameters():
         if p.requires_grad:
