@@ -329,8 +329,7 @@ def setup(stage: Stage) -> Trainer:
     parallel = tc.parallel if ctx.world_size > 1 else "none"
     t = Trainer(stage, ctx, data, lengths, train_idx, val_idx,
                 VerifierHead.of(lm_head, torch.arange(len(d2t)) + d2t), model, total,
-                steps_per_epoch,
-                parallel, base_info, bf16=tc.autocast == "bf16" or (
+                steps_per_epoch, parallel, base_info, bf16=tc.autocast == "bf16" or (
                     tc.autocast == "auto" and ctx.device.type == "cuda"))
     # Resume weights go in before any wrapping: every rank reads the same full checkpoint.
     saved = _load_latest(t)

@@ -26,7 +26,7 @@ chains of prod_{j<=k} a_j, with a_j = alpha at temperature T when drafts are sam
 (`est_accept_len_sampled`), or a_j = p_T(argmax q) when the engine drafts greedily and accepts
 a draft with the verifier's probability of it, as vLLM does (`est_accept_len_greedy_draft`).
 
-    batch, teacher = prepare_batch(samples, budget, device, dtype, 
+    batch, teacher = prepare_batch(samples, budget, device, dtype,
                                    VerifierHead.of(lm_head, draft_ids))
     loss, stats = ttt_forward(model, batch, teacher, ttt_steps=3, step_decay=0.8)
 """
