@@ -8,12 +8,12 @@ and the sampled estimates). The full-vocabulary product is 5x the draft one at K
 sample and every later epoch reads the argmax and normalizer back:
 
     head = VerifierHead.of(lm_head, draft_ids)
-    teacher = make_teacher(final, head, needed, stats=document_stats(batch, needed, head,
-                                                                      keys, cache))
+    stats = document_stats(batch.final, batch.doc_end, needed, head, keys=keys, cache=cache)
+    teacher = make_teacher(batch.final, head, needed, stats=stats)
 
 Both statistics are computed per document (never across the documents packed beside it) so a
 cached value is bit-for-bit the value a recomputation would give, whichever micro-batch, epoch,
-rank or resumed process asks: the cache changes timing, never a number.
+rank (on the same hardware) or resumed process asks: the cache changes timing, never a number.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import Hashable, NamedTuple, Optional
 import torch
 
 from eagle3 import dist
+
 
 @dataclass
 class Teacher:
