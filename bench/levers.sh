@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One row of the lever table in bench/RESULTS.md (issue 14): a finished run's stages 01-02 (and
 # 03 unless the lever sets vocab.*) shared by hard links, then stages 03-06 with the lever's
-# overrides, vLLM at K=3 on the 80 MT-bench prompts at T=0 and T=0.6, and the training-time
-# estimate on the text the engine served.
+# overrides, vLLM at K=3 on the 80 MT-bench prompts at T=0, 0.6 and 1.0, and the training-time
+# estimate on the text the engine served at each.
 #
 #     bash bench/levers.sh NAME SOURCE_RUN [section.key=value ...]
 #     bash bench/levers.sh ttt5 lk-kl train.ttt_steps=5
@@ -11,7 +11,7 @@ name=$1; src=$2; shift 2
 cfg=${CONFIG:-configs/smollm2-135m-cpu.yaml}
 py=.venv/bin/python
 bench=('bench.engines.0.depths=[3]' bench.engines.0.baseline=false 'bench.concurrency=[4]'
-       'bench.temperature=[0.0,0.6]' bench.num_prompts=80)
+       'bench.temperature=[0.0,0.6,1.0]' bench.num_prompts=80)
 shared=(01_data 02_hidden_states)
 [[ " $* " == *" vocab."* ]] || shared+=(03_vocab)
 mkdir -p "runs/$name"
@@ -21,14 +21,21 @@ done
 for script in 03_build_vocab_map.py 04_train.py 05_fix_keys.py 06_deploy_and_bench.py; do
     $py "$script" "$cfg" "run.name=$name" "$@" "${bench[@]}"
 done
-$py bench/bench_quality.py "$cfg" "run.name=$name" "$@" --temperature 0.6
+for t in 0.6 1; do
+    $py bench/bench_quality.py "$cfg" "run.name=$name" "$@" --temperature $t
+done
 $py - "$name" <<'PY'
 import json, sys
 name = sys.argv[1]
-q = json.load(open(f"runs/{name}/bench_quality_k3_t0.6.json"))
+q = {t: json.load(open(f"runs/{name}/bench_quality_k3_t{t}.json")) for t in ("0.6", "1")}
 m = json.load(open(f"runs/{name}/04_train/manifest.json"))
-print(f"| {name} | {m['counts']['best_val_est_accept_len']:.3f} | {q['engine_accept_len']:.3f} "
-      f"| {q['estimate_accept_len']:.3f} ({100 * q['relative_gap']:+.1f}%) "
-      f"| {q['engine_accept_len_sampled']:.3f} | {q['estimate_accept_len_sampled']:.3f} / "
-      f"{q['estimate_accept_len_greedy_draft']:.3f} | {m['timings']['seconds']:.0f} s |")
+gap = lambda e, x: f"{x:.3f} ({100 * (x / e - 1):+.1f}%)"  # noqa: E731
+row = [name, f"{m['counts']['best_val_est_accept_len']:.3f}",
+       f"{q['0.6']['engine_accept_len']:.3f}", gap(q['0.6']['engine_accept_len'],
+                                                  q['0.6']['estimate_accept_len'])]
+for t in ("0.6", "1"):
+    e = q[t]["engine_accept_len_sampled"]
+    row += [f"{e:.3f}", gap(e, q[t]["estimate_accept_len_greedy_draft"])]
+row.append(f"{m['timings']['seconds']:.0f} s")
+print("| " + " | ".join(row) + " |")
 PY

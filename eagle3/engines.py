@@ -46,6 +46,9 @@ HOST = "127.0.0.1"
 LOG_TAIL_LINES = 20
 STOP_GRACE_S = 20.0
 MODULES = {"vllm": "vllm.entrypoints.openai.api_server", "sglang": "sglang.launch_server"}
+# A vLLM general plugin (found through its dist-info on the PYTHONPATH) that repairs vLLM-CPU's
+# speculative sampling at T > 0 and does nothing elsewhere (docs/engines.md).
+VLLM_PLUGIN_DIR = Path(__file__).resolve().parent / "engine_plugins"
 
 
 def free_port() -> int:
@@ -65,6 +68,16 @@ def fill_command(template: list[str], model: str, port: int, max_model_len: int)
             part = part.replace("{" + key + "}", value)
         out.append(part)
     return out
+
+
+def server_env(engine: str, server: ServerConfig) -> dict[str, str]:
+    """The server's environment: ours, the section's `env`, and for vLLM our plugin directory
+    first on the PYTHONPATH."""
+    env = {**os.environ, **server.env}
+    if engine == "vllm":
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(VLLM_PLUGIN_DIR), env.get("PYTHONPATH", "")) if p)
+    return env
 
 
 def server_command(engine: str, cfg: Config, server: ServerConfig, model: str, port: int,
@@ -280,7 +293,7 @@ def start_server(engine: str, cfg: Config, server: ServerConfig, section: str, l
         logf.flush()
         try:
             proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT,
-                                    env={**os.environ, **server.env}, stdin=subprocess.DEVNULL,
+                                    env=server_env(engine, server), stdin=subprocess.DEVNULL,
                                     start_new_session=True)
         except OSError as e:
             raise StageError(f"cannot start {engine} ({cmd[0]}: {e.strerror}); fix "

