@@ -547,8 +547,19 @@ class BenchEngineConfig:
     target's). SGLang 0.5.23 has no such setting: the draft shares the target's group."""
     baseline: bool = True
     """Also serve the verifier without speculation (the speed-up's reference)."""
+    draft_sample: Literal["greedy", "probabilistic"] = "greedy"
+    """How vLLM drafts at T > 0 (its `draft_sample_method`): `greedy` drafts the drafter's
+    argmax and accepts it with the verifier's probability of it; `probabilistic` samples
+    drafts from the drafter and accepts with min(1, p/q), the speculative sampling that
+    acceptance-rate losses (train.loss: lk_*) optimise. T = 0 cells are alike either way.
+    SGLang 0.5.23 drafts a reduced draft vocabulary greedily only (docs/engines.md)."""
 
     def __post_init__(self) -> None:
+        if self.name == "sglang" and self.draft_sample != "greedy":
+            raise ConfigError("bench.engines[sglang].draft_sample: SGLang 0.5.23 samples "
+                              "drafts only for a draft vocabulary equal to the target's "
+                              "(--speculative-use-rejection-sampling), so it drafts ours "
+                              "greedily; remove it or serve on a vllm engine")
         where = f"bench.engines[{self.name}].depths"
         if not self.depths:
             raise ConfigError(f"{where}: give at least one depth")
@@ -599,6 +610,10 @@ class BenchConfig:
         _positive("bench.max_tokens", self.max_tokens)
         if not self.engines:
             raise ConfigError("bench.engines: give at least one engine")
+        names = [e.name for e in self.engines]
+        if len(set(names)) < len(names):  # results are named by engine: one would overwrite
+            raise ConfigError(f"bench.engines: {names}: one entry per engine (list all its "
+                              f"depths in it); compare other settings in separate runs")
         if not self.concurrency or min(self.concurrency) < 1:
             raise ConfigError("bench.concurrency: give values >= 1, e.g. [1, 8, 32]")
         if not self.temperature or min(self.temperature) < 0:
