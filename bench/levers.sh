@@ -2,7 +2,8 @@
 # One row of the lever table in bench/RESULTS.md (issue 14): a finished run's stages 01-02 (and
 # 03 unless the lever sets vocab.*) shared by hard links, then stages 03-06 with the lever's
 # overrides, vLLM at K=3 on the 80 MT-bench prompts at T=0, 0.6 and 1.0, and the training-time
-# estimate on the text the engine served at each.
+# estimate on the text the engine served at each. Stages already in runs/NAME are kept (link
+# 04_train and 05_export there to serve the same drafter another way).
 #
 #     bash bench/levers.sh NAME SOURCE_RUN [section.key=value ...]
 #     bash bench/levers.sh ttt5 lk-kl train.ttt_steps=5
@@ -29,13 +30,16 @@ import json, sys
 name = sys.argv[1]
 q = {t: json.load(open(f"runs/{name}/bench_quality_k3_t{t}.json")) for t in ("0.6", "1")}
 m = json.load(open(f"runs/{name}/04_train/manifest.json"))
+cell = json.load(open(f"runs/{name}/06_bench/results/vllm-3_1_4-c4-mtbench-t0.6.json"))
+drafts = cell["settings"].get("draft_sample", "greedy")  # the estimate of the engine's drafting
 gap = lambda e, x: f"{x:.3f} ({100 * (x / e - 1):+.1f}%)"  # noqa: E731
-row = [name, f"{m['counts']['best_val_est_accept_len']:.3f}",
+row = [f"{name} ({drafts} drafts)", f"{m['counts']['best_val_est_accept_len']:.3f}",
        f"{q['0.6']['engine_accept_len']:.3f}", gap(q['0.6']['engine_accept_len'],
                                                   q['0.6']['estimate_accept_len'])]
 for t in ("0.6", "1"):
     e = q[t]["engine_accept_len_sampled"]
-    row += [f"{e:.3f}", gap(e, q[t]["estimate_accept_len_greedy_draft"])]
+    row += [f"{e:.3f}", gap(e, q[t]["estimate_accept_len_sampled" if drafts == "probabilistic"
+                                    else "estimate_accept_len_greedy_draft"])]
 row.append(f"{m['timings']['seconds']:.0f} s")
 print("| " + " | ".join(row) + " |")
 PY
