@@ -51,8 +51,7 @@ def register() -> None:
     import vllm._C  # noqa: F401  (registers the CPU kernels the stand-ins call)
     from vllm.utils import cpu_triton_utils
 
-    if cpu_triton_utils._expand_kernel_impl is expand or \
-            not loses_values(cpu_triton_utils._expand_kernel_impl):
+    if not loses_values(cpu_triton_utils._expand_kernel_impl):  # also once it is ours
         return
     cpu_triton_utils._expand_kernel_impl = expand
     log.warning("eagle3 plugin: vLLM-CPU's expand kernel stand-in loses float values (the "
