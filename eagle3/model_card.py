@@ -62,6 +62,9 @@ def run_provenance(cfg: Any, checkpoint: Path, step: Optional[int]) -> dict[str,
         # its figures reach a card through `05_fix_keys.py --from` this export.
         "acceptance": [],
         "trust_remote_code": cfg.verifier.trust_remote_code,
+        # How stage 06 has the engine draft at T > 0 (vLLM's draft_sample_method): the serve
+        # command should draft the way the drafter was trained and measured.
+        "draft_sample": {e.name: e.draft_sample for e in cfg.bench.engines},
     }
 
 
@@ -78,14 +81,17 @@ def directory_provenance(src: Path, verifier: Optional[str]) -> dict[str, Any]:
         made = (_read_json(run / "05_export" / "report.json") or {}).get("provenance") or {}
         out["training"], out["vocab"] = made.get("training", {}), made.get("vocab", {})
         out["trust_remote_code"] = made.get("trust_remote_code", False)
+        out["draft_sample"] = made.get("draft_sample", {})
         out["acceptance"] = measured_acceptance(run)
     return out
 
 
 def serve_commands(fmt: str, export_dir: Path, siblings: dict[str, Path], verifier: str,
-                   trust_remote_code: bool, depth: int = 3) -> dict[str, str]:
+                   trust_remote_code: bool, draft_sample: Optional[dict[str, str]] = None,
+                   depth: int = 3) -> dict[str, str]:
     """Engine -> the command that serves the verifier with this drafter (or its sibling export
-    for the other engine), with stage 06's own flags at a chain of `depth`."""
+    for the other engine), with stage 06's own flags at a chain of `depth` and the run's way of
+    drafting at T > 0 (`draft_sample`: engine -> bench.engines[].draft_sample)."""
     from eagle3.bench import engine_args
     from eagle3.config import BenchEngineConfig, Depth
 
@@ -94,8 +100,9 @@ def serve_commands(fmt: str, export_dir: Path, siblings: dict[str, Path], verifi
     dirs[ENGINE_OF[fmt]] = export_dir
     remote = ["--trust-remote-code"] if trust_remote_code else []
     for engine, d in sorted(dirs.items()):
-        flags = engine_args(BenchEngineConfig(name=engine), Depth(depth, 1, depth + 1), d, 1,
-                            metrics=False)
+        sample = (draft_sample or {}).get(engine, "greedy") if engine == "vllm" else "greedy"
+        flags = engine_args(BenchEngineConfig(name=engine, draft_sample=sample),
+                            Depth(depth, 1, depth + 1), d, 1, metrics=False)
         head = (["vllm", "serve", verifier] if engine == "vllm" else
                 ["python", "-m", "sglang.launch_server", "--model-path", verifier])
         out[engine] = shlex.join(head + flags + remote)
@@ -150,8 +157,13 @@ def model_card(fmt: str, record: dict[str, Any], provenance: dict[str, Any], exp
                      "`05_fix_keys.py --from` this directory to carry the figures here.")
     lines += ["", "## Serve", ""]
     for engine, cmd in serve_commands(fmt, export_dir, siblings, verifier,
-                                      bool(provenance.get("trust_remote_code"))).items():
+                                      bool(provenance.get("trust_remote_code")),
+                                      provenance.get("draft_sample")).items():
         lines += [f"{engine}:", "", "```bash", cmd, "```", ""]
+    if (provenance.get("draft_sample") or {}).get("vllm") == "probabilistic":
+        lines += ["vLLM drafts by sampling here (`draft_sample_method`): at T > 0 it accepts "
+                  "with min(1, p/q), what this drafter was measured with. SGLang drafts it "
+                  "greedily only.", ""]
     if fmt == "sglang":
         lines.append("The aux ids above are in SGLang's convention for this verifier: serve "
                      "with vLLM from the vLLM export, not from this directory.")

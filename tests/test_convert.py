@@ -268,7 +268,7 @@ def test_model_card_carries_the_runs_training_and_measured_acceptance(tmp_path, 
     (run / "05_export" / "report.json").write_text(json.dumps({"provenance": {
         "training": {"data": ["sharegpt"], "train_samples": 830, "step": 7, "epochs": 2,
                      "tokens_seen": 361696, "regenerated_by_verifier": "vllm"},
-        "vocab": {"coverage": 0.952}}}))
+        "vocab": {"coverage": 0.952}, "draft_sample": {"vllm": "probabilistic"}}}))
     (run / "06_bench").mkdir(parents=True)
     (run / "06_bench" / "results.json").write_text(json.dumps({"results": [
         {"engine": "vllm", "run": "3/1/4", "depth": {"steps": 3}, "concurrency": 4,
@@ -280,3 +280,4 @@ def test_model_card_carries_the_runs_training_and_measured_acceptance(tmp_path, 
     assert "step 7, 361696 tokens, 2 epochs" in card and "covering 95.2%" in card
     assert f"--speculative-draft-model-path {tmp_path / 'pub' / 'sglang'}" in card
     assert f'"model": "{tmp_path / "pub" / "vllm"}"' in card
+    assert '"draft_sample_method": "probabilistic"' in card  # as the run's stage 06 served it
