@@ -100,7 +100,7 @@ def serve_commands(fmt: str, export_dir: Path, siblings: dict[str, Path], verifi
     dirs[ENGINE_OF[fmt]] = export_dir
     remote = ["--trust-remote-code"] if trust_remote_code else []
     for engine, d in sorted(dirs.items()):
-        sample = (draft_sample or {}).get(engine, "greedy") if engine == "vllm" else "greedy"
+        sample = (draft_sample or {}).get(engine, "greedy")  # the config keeps SGLang greedy
         flags = engine_args(BenchEngineConfig(name=engine, draft_sample=sample),
                             Depth(depth, 1, depth + 1), d, 1, metrics=False)
         head = (["vllm", "serve", verifier] if engine == "vllm" else
