@@ -368,6 +368,15 @@ class TrainConfig:
     arXiv 2602.23881). Results per objective: bench/RESULTS.md."""
     lk_eta: float = 3.0
     """eta of `lk_lambda` (the LK paper's best)."""
+    kl_temperature: float = 1.0
+    """Temperature of the verifier's distribution in the KL terms (`kl`, `lk_lambda`): below 1
+    sharpens the target towards its argmax, what greedy verification accepts. Results:
+    bench/RESULTS.md ("Levers on the quality config")."""
+    reach_weight: Literal["off", "greedy", "sampled"] = "off"
+    """Also weight TTT step k's loss, per position, by the chance that serving drafts step k
+    there (eagle3/ttt.py): `greedy`, only where steps 0..k-1 drafted the verifier's argmax
+    (GRIFFIN's loss masking, arXiv 2502.11018, for chain drafts); `sampled`, by the product of
+    their acceptance probabilities. Results: bench/RESULTS.md ("Levers on the quality config")."""
     estimate_temperature: Optional[float] = 1.0
     """Validation also reports the expected acceptance length of speculative sampling at this
     temperature (`est_accept_len_sampled`); null = greedy estimate only. Metrics only."""
@@ -423,6 +432,8 @@ class TrainConfig:
             _positive(f"train.{name}", getattr(self, name))
         if self.lr <= 0:
             raise ConfigError("train.lr must be > 0")
+        if self.kl_temperature <= 0:
+            raise ConfigError("train.kl_temperature must be > 0")
         if not 0 <= self.warmup_ratio < 1:
             raise ConfigError("train.warmup_ratio must be in [0, 1)")
         if not 0 <= self.val_fraction < 1:

@@ -334,7 +334,8 @@ def setup(stage: Stage) -> Trainer:
     # Resume weights go in before any wrapping: every rank reads the same full checkpoint.
     saved = _load_latest(t)
     t.objective = dist.wrap(TTTObjective(model, tc.ttt_steps, tc.step_decay, tc.loss,
-                                         tc.lk_eta), parallel, ctx)
+                                         tc.lk_eta, tc.reach_weight, tc.kl_temperature),
+                            parallel, ctx)
     t.params = [p for p in model.parameters() if p.requires_grad]  # after FSDP's re-wrap
     t.optimizer = torch.optim.AdamW(t.params, lr=tc.lr, weight_decay=tc.weight_decay,
                                     betas=tuple(tc.adam_betas))
@@ -458,7 +459,8 @@ def validate(t: Trainer) -> dict[str, Any]:
     # rank must run as many forwards: a rank short of batches repeats one, uncounted.
     forward = t.objective if t.parallel == "fsdp" else (
         lambda b, teacher, temp: ttt_forward(t.model, b, teacher, tc.ttt_steps, tc.step_decay,
-                                             tc.loss, tc.lk_eta, temp))
+                                             tc.loss, tc.lk_eta, temp, tc.reach_weight,
+                                             tc.kl_temperature))
     with torch.no_grad():
         for r in range(math.ceil(len(groups) / ctx.world_size)):
             i = r * ctx.world_size + ctx.rank

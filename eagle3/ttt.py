@@ -166,12 +166,12 @@ def acceptance_probability(draft_logits: torch.Tensor, teacher_logits: torch.Ten
 
 
 def step_loss(kind: str, logits: torch.Tensor, t_logits: torch.Tensor, lse: torch.Tensor,
-              weight: torch.Tensor, n: torch.Tensor, lk_eta: float
+              weight: torch.Tensor, n: torch.Tensor, lk_eta: float, kl_temperature: float = 1.0
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss of one TTT step, alpha per position). `weight` marks the positions that count (the
     counted ones whose teacher argmax is in the draft vocabulary), `n` the counted positions
     (the normaliser of every loss, as for KL)."""
-    p_tilde = torch.softmax(t_logits.float(), dim=-1)
+    p_tilde = torch.softmax(t_logits.float() / kl_temperature, dim=-1)
     log_q = torch.log_softmax(logits.float(), dim=-1)
     alpha = acceptance_probability(logits, t_logits, lse)
     if kind == "kl":
@@ -192,17 +192,20 @@ def step_loss(kind: str, logits: torch.Tensor, t_logits: torch.Tensor, lse: torc
 
 def ttt_forward(model: Eagle3DraftModel, batch: Batch, teacher: Teacher, ttt_steps: int,
                 step_decay: float, loss: str = "kl", lk_eta: float = 3.0,
-                estimate_temperature: Optional[float] = None
-                ) -> tuple[torch.Tensor, StepStats]:
+                estimate_temperature: Optional[float] = None, reach: str = "off",
+                kl_temperature: float = 1.0) -> tuple[torch.Tensor, StepStats]:
     """Unroll `ttt_steps` draft steps on a packed batch; return (weighted loss, counts).
     `estimate_temperature` (needs a teacher made with that temperature) adds the expected
-    acceptance under sampling at T."""
+    acceptance under sampling at T. `reach` (`train.reach_weight`) also weights step k's loss
+    per position by the chance that serving drafts step k there: `greedy`, 1 where steps
+    0..k-1 drafted the verifier's argmax, else 0 (GRIFFIN's loss masking, arXiv 2502.11018,
+    for chain drafts); `sampled`, the product of their acceptance probabilities alpha."""
     T = batch.num_tokens
     idx = torch.arange(T, device=batch.input_ids.device)[None]
     mask = causal_doc_mask(batch.doc_ids)
     cache = model.new_cache()
     h = model.project(batch.aux)
-    alive = chain_p = chain_g = None
+    alive = chain_p = chain_g = reached = None
     total = h.new_zeros(())
     stats = StepStats.zeros(ttt_steps, estimate_temperature)
     for k in range(ttt_steps):
@@ -218,10 +221,16 @@ def ttt_forward(model: Eagle3DraftModel, batch: Batch, teacher: Teacher, ttt_ste
             1, src_c[..., None].expand(-1, -1, teacher.draft_logits.shape[-1]))
         t_argmax = teacher.argmax.gather(1, src_c)
         weight = (counted & model.t2d[t_argmax]).float()
+        if reached is not None:
+            weight = weight * reached
         n = counted.sum()
         loss_k, alpha = step_loss(loss, logits, t_logits, teacher.lse.gather(1, src_c),
-                                  weight, n, lk_eta)
+                                  weight, n, lk_eta, kl_temperature)
         total = total + (step_decay ** k) * loss_k
+        if reach != "off":
+            here = (alpha.detach() if reach == "sampled" else
+                    (model.draft_to_target(logits.detach().argmax(-1)) == t_argmax).float())
+            reached = here if reached is None else reached * here
 
         with torch.no_grad():
             correct = counted & (model.draft_to_target(logits.argmax(-1)) == t_argmax)
@@ -253,12 +262,15 @@ class TTTObjective(torch.nn.Module):
     the wrapped module's forward; the draft model's own entry points are `project`/`step`)."""
 
     def __init__(self, model: Eagle3DraftModel, ttt_steps: int, step_decay: float,
-                 loss: str = "kl", lk_eta: float = 3.0):
+                 loss: str = "kl", lk_eta: float = 3.0, reach: str = "off",
+                 kl_temperature: float = 1.0):
         super().__init__()
         self.model, self.ttt_steps, self.step_decay = model, ttt_steps, step_decay
-        self.loss, self.lk_eta = loss, lk_eta
+        self.loss, self.lk_eta, self.reach = loss, lk_eta, reach
+        self.kl_temperature = kl_temperature
 
     def forward(self, batch: Batch, teacher: Teacher,
                 estimate_temperature: Optional[float] = None) -> tuple[torch.Tensor, StepStats]:
         return ttt_forward(self.model, batch, teacher, self.ttt_steps, self.step_decay,
-                           self.loss, self.lk_eta, estimate_temperature)
+                           self.loss, self.lk_eta, estimate_temperature, self.reach,
+                           self.kl_temperature)

@@ -72,9 +72,11 @@ def naive_layer(layer, h, emb, pos, keys, values, step, T, nbr):
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
-def naive_doc(model, s, lm_head, steps, decay, nbr, temperature=0.7):
+def naive_doc(model, s, lm_head, steps, decay, nbr, temperature=0.7, reach="off"):
     """Per-step sums for one document, from the written-out definition (LK terms: the LK
-    paper's acceptance alpha = sum_x min(p(x), q(x)), p the full softmax on draft tokens)."""
+    paper's acceptance alpha = sum_x min(p(x), q(x)), p the full softmax on draft tokens;
+    `reach`: the loss at step k weighted by whether (greedy) or how likely (sampled) serving
+    drafts step k from that position)."""
     T = len(s["input_ids"])
     ids, mask = s["input_ids"], s["loss_mask"].bool()
     full = s["final"] @ lm_head.T                   # verifier logits at every position
@@ -86,6 +88,7 @@ def naive_doc(model, s, lm_head, steps, decay, nbr, temperature=0.7):
     alive = torch.ones(T, dtype=torch.bool)
     chain = torch.ones(T, dtype=torch.float64)
     chain_g = torch.ones(T, dtype=torch.float64)
+    reached = torch.ones(T, dtype=torch.float64)
     started = torch.zeros(T, dtype=torch.bool)
     for k in range(steps):
         inp = torch.tensor([ids[t + 1 + k] if t + 1 + k < T else 0 for t in range(T)])
@@ -97,19 +100,23 @@ def naive_doc(model, s, lm_head, steps, decay, nbr, temperature=0.7):
         counted = torch.zeros(T, dtype=torch.bool)
         a_temp = torch.zeros(T, dtype=torch.float64)
         g_temp = torch.zeros(T, dtype=torch.float64)
+        here = torch.zeros(T, dtype=torch.float64)
         for t in range(T):
             src, tgt = t + 1 + k, t + 2 + k
+            if src >= T:
+                continue
+            teacher = full[src]
+            arg = int(teacher.argmax())
+            pred = int(draft_ids[logits[t].argmax()])
+            q = torch.softmax(logits[t], -1).detach()
+            p_full = torch.softmax(teacher, -1)[draft_ids]
+            alpha = sum(min(float(p_full[x]), float(q[x])) for x in range(VD))
+            here[t] = alpha if reach == "sampled" else float(pred == arg)
             if tgt >= T or not mask[tgt]:
                 continue
             n += 1
             counted[t] = True
-            teacher = full[src]
-            arg = int(teacher.argmax())
-            pred = int(draft_ids[logits[t].argmax()])
             correct[t] = pred == arg
-            q = torch.softmax(logits[t], -1).detach()
-            p_full = torch.softmax(teacher, -1)[draft_ids]
-            alpha = sum(min(float(p_full[x]), float(q[x])) for x in range(VD))
             alpha_all += alpha
             qt = torch.softmax(logits[t] / temperature, -1).detach()
             pt = torch.softmax(teacher / temperature, -1)[draft_ids]
@@ -117,12 +124,14 @@ def naive_doc(model, s, lm_head, steps, decay, nbr, temperature=0.7):
             g_temp[t] = float(pt[int(logits[t].argmax())])  # greedy draft, accepted w.p. p_T
             if model.t2d[arg]:
                 p = torch.softmax(teacher[draft_ids], -1)
-                ce_sum = ce_sum - (p * torch.log_softmax(logits[t], -1)).sum()
+                ce_sum = ce_sum - reached[t] * (p * torch.log_softmax(logits[t], -1)).sum()
                 kl = kl + (p * (p.log() - torch.log_softmax(logits[t], -1))).sum()
                 nla = nla - math.log(max(alpha, 1e-5))
                 tv = tv + (1 - alpha)
                 alpha_w += alpha
         alive = alive & correct
+        if reach != "off":
+            reached = reached * here
         if k == 0:
             started = counted.clone()
         chain = chain * torch.where(counted, a_temp, torch.zeros_like(a_temp))
@@ -163,6 +172,47 @@ def test_ttt_matches_naive_reference(lengths, nbr):
         assert stats.full[k] == sum(r["alive"][k] for r in refs)
     torch.testing.assert_close(loss, torch.as_tensor(ref_loss, dtype=loss.dtype),
                                rtol=1e-6, atol=1e-6)  # loss math runs in fp32
+
+
+@pytest.mark.parametrize("reach", ["greedy", "sampled"])
+def test_reach_weighted_loss_matches_naive_reference(reach):
+    """`train.reach_weight`: step k's loss at a position counts only as far as serving would
+    draft step k there; the counts and metrics are those of the unweighted run."""
+    steps, decay = 3, 0.8
+    model = tiny_model()
+    lm_head = torch.randn(V, HT, dtype=torch.float64)
+    docs = samples([13, 9, 11])
+    batch = collate(docs, max_tokens=1000)
+    teacher = make_teacher(batch.final, VerifierHead.of(lm_head, torch.arange(VD) + model.d2t))
+    loss, stats = ttt_forward(model, batch, teacher, steps, decay, reach=reach)
+    plain, plain_stats = ttt_forward(model, batch, teacher, steps, decay)
+    refs = [naive_doc(model, d, lm_head, steps, decay, False, reach=reach) for d in docs]
+    want = sum(decay ** k * sum(r["ce"][k] for r in refs) / sum(r["n"][k] for r in refs)
+               for k in range(steps))
+    torch.testing.assert_close(loss, torch.as_tensor(want, dtype=loss.dtype),
+                               rtol=1e-6, atol=1e-6)
+    # later steps lost the positions that serving never reaches
+    assert float(loss.detach()) < float(plain.detach())
+    assert stats.correct == plain_stats.correct and stats.full == plain_stats.full
+
+
+def test_kl_temperature_sharpens_the_target_only():
+    """`train.kl_temperature`: the KL target is the verifier's draft-vocabulary softmax at that
+    temperature (the naive reference with logits / tau); counts and argmax are unchanged."""
+    steps, decay, tau = 3, 0.8, 0.5
+    model = tiny_model()
+    lm_head = torch.randn(V, HT, dtype=torch.float64)
+    docs = samples([13, 9])
+    batch = collate(docs, max_tokens=1000)
+    teacher = make_teacher(batch.final, VerifierHead.of(lm_head, torch.arange(VD) + model.d2t))
+    loss, stats = ttt_forward(model, batch, teacher, steps, decay, kl_temperature=tau)
+    _, plain_stats = ttt_forward(model, batch, teacher, steps, decay)
+    refs = [naive_doc(model, d, lm_head / tau, steps, decay, False) for d in docs]
+    want = sum(decay ** k * sum(r["ce"][k] for r in refs) / sum(r["n"][k] for r in refs)
+               for k in range(steps))
+    torch.testing.assert_close(loss, torch.as_tensor(want, dtype=loss.dtype),
+                               rtol=1e-6, atol=1e-6)
+    assert stats.correct == plain_stats.correct and stats.counted == plain_stats.counted
 
 
 @pytest.mark.parametrize("loss", ["lk_alpha", "lk_lambda"])
