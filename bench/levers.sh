@@ -3,16 +3,19 @@
 # 03 unless the lever sets vocab.*) shared by hard links, then stages 03-06 with the lever's
 # overrides, vLLM at K=3 on the 80 MT-bench prompts at T=0, 0.6 and 1.0, and the training-time
 # estimate on the text the engine served at each. Stages already in runs/NAME are kept (link
-# 04_train and 05_export there to serve the same drafter another way).
+# 04_train and 05_export there to serve the same drafter another way). SCREEN=1 serves at
+# T=0 only and prints the T=0 figures: a ~10 min screen of a lever on the demo's data.
 #
 #     bash bench/levers.sh NAME SOURCE_RUN [section.key=value ...]
 #     bash bench/levers.sh ttt5 lk-kl train.ttt_steps=5
+#     SCREEN=1 bash bench/levers.sh s-sharp kl train.kl_temperature=0.5
 set -euo pipefail
 name=$1; src=$2; shift 2
 cfg=${CONFIG:-configs/smollm2-135m-cpu.yaml}
 py=.venv/bin/python
+temps='[0.0,0.6,1.0]'; [ -z "${SCREEN:-}" ] || temps='[0.0]'
 bench=('bench.engines.0.depths=[3]' bench.engines.0.baseline=false 'bench.concurrency=[4]'
-       'bench.temperature=[0.0,0.6,1.0]' bench.num_prompts=80)
+       "bench.temperature=$temps" bench.num_prompts=80)
 shared=(01_data 02_hidden_states)
 [[ " $* " == *" vocab."* ]] || shared+=(03_vocab)
 mkdir -p "runs/$name"
@@ -22,6 +25,10 @@ done
 for script in 03_build_vocab_map.py 04_train.py 05_fix_keys.py 06_deploy_and_bench.py; do
     $py "$script" "$cfg" "run.name=$name" "$@" "${bench[@]}"
 done
+if [ -n "${SCREEN:-}" ]; then
+    $py bench/bench_quality.py "$cfg" "run.name=$name" "$@"
+    exit
+fi
 for t in 0.6 1; do
     $py bench/bench_quality.py "$cfg" "run.name=$name" "$@" --temperature $t
 done
