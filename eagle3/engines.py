@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import json
 import logging
 import os
@@ -276,6 +277,23 @@ def _group_alive(pgid: int) -> bool:
         return True
 
 
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent: int) -> Any:
+    """The engine's pre-exec hook: SIGTERM it when the stage that started it dies, kill -9
+    included. Its own session keeps it out of the stage's process group, so otherwise it would
+    outlive the stage and keep holding the GPUs (and the rerun's engine would not fit). The
+    engine stops its own workers on SIGTERM. Linux only; a `command` that forks instead of
+    exec-ing passes the signal to the wrapper only."""
+    def hook() -> None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the stage died before the line above took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+    return hook
+
+
 @contextlib.contextmanager
 def start_server(engine: str, cfg: Config, server: ServerConfig, section: str, log_path: Path,
                  *, max_model_len: int, args: list[str] = (),
@@ -294,7 +312,8 @@ def start_server(engine: str, cfg: Config, server: ServerConfig, section: str, l
         try:
             proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT,
                                     env=server_env(engine, server), stdin=subprocess.DEVNULL,
-                                    start_new_session=True)
+                                    start_new_session=True,
+                                    preexec_fn=_die_with_parent(os.getpid()) if _LIBC else None)
         except OSError as e:
             raise StageError(f"cannot start {engine} ({cmd[0]}: {e.strerror}); fix "
                              f"{section}.python or {section}.command") from None

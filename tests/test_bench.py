@@ -221,7 +221,8 @@ if os.environ.get("FAKE_DIE"):
     sys.exit(3)
 print("fake", engine, "env", os.environ.get("FAKE_MARK"), "steps", steps, flush=True)
 with open(os.environ["FAKE_LOG"], "a") as f:
-    f.write(json.dumps({"engine": engine, "steps": steps, "args": args}) + "\n")
+    f.write(json.dumps({"engine": engine, "steps": steps, "args": args,
+                        "pid": os.getpid()}) + "\n")
 nothing = bool(os.environ.get("FAKE_NO_ACCEPT"))
 lock = threading.Lock()
 counts = {"drafts": 0, "pos": [0] * steps, "tokens": 0, "verify": 0}
@@ -461,6 +462,14 @@ def _export_stage(cfg):
     return Stage(cfg, 6)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a zombie has exited, only not yet reaped
+
+
 def _starts(tmp_path):
     path = tmp_path / "starts.jsonl"
     return [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
@@ -523,8 +532,15 @@ def test_kill_mid_sweep_then_rerun_redoes_only_the_unfinished_cells(tmp_path, ti
     while len(list(results.glob("sglang-4_1_5-*.json"))) < 1:
         assert proc.poll() is None and time.time() < deadline
         time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)  # the stage and the engine it started
+    os.killpg(proc.pid, signal.SIGKILL)  # the stage; its engine runs in its own session
     proc.wait()
+    # The engine dies with the stage (on a GPU node it would otherwise keep the GPUs and the
+    # rerun's server would not fit).
+    orphan = _starts(tmp_path)[-1]["pid"]
+    deadline = time.time() + 30
+    while _alive(orphan):
+        assert time.time() < deadline, "the killed stage's engine server is still running"
+        time.sleep(0.1)
     kept = {p.name: p.stat().st_mtime_ns for p in results.glob("*.json")}
     assert kept and not stage.is_done()
     before = len(_starts(tmp_path))
