@@ -36,7 +36,7 @@ from eagle3.model import Eagle3DraftModel  # noqa: E402
 from eagle3.runs import Stage  # noqa: E402
 from eagle3.shards import dequantize_fp8, encode, pack  # noqa: E402
 from eagle3.teacher import VerifierHead  # noqa: E402
-from eagle3.ttt import StepStats, prepare_batch, ttt_forward  # noqa: E402
+from eagle3.ttt import StepStats, TTTSpec, prepare_batch, ttt_forward  # noqa: E402
 from eagle3.verifier import (load_text_decoder, load_tokenizer, read_tensor,  # noqa: E402
                              stop_token_ids)
 
@@ -105,8 +105,7 @@ def estimate(cfg, samples: list[dict], model: Eagle3DraftModel, k: int, batch_to
         batch, teacher = prepare_batch([docs[i] for i in group], batch_tokens,
                                        torch.device("cpu"), torch.float32, head,
                                        temperature=temperature)
-        stats.add(ttt_forward(model, batch, teacher, k, 0.8,
-                              estimate_temperature=temperature)[1])
+        stats.add(ttt_forward(model, batch, teacher, TTTSpec(k, 0.8), temperature)[1])
     return stats.metrics()
 
 

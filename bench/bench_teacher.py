@@ -29,7 +29,7 @@ from eagle3.runs import Stage  # noqa: E402
 from eagle3.shards import HiddenStates, collate  # noqa: E402
 from eagle3.train import build_model, epoch_batches  # noqa: E402
 from eagle3.teacher import VerifierHead, document_stats, make_teacher  # noqa: E402
-from eagle3.ttt import teacher_rows, ttt_forward  # noqa: E402
+from eagle3.ttt import TTTSpec, teacher_rows, ttt_forward  # noqa: E402
 from eagle3.verifier import read_tensor  # noqa: E402
 from eagle3.vocab import load_vocab  # noqa: E402
 
@@ -71,7 +71,7 @@ def main() -> None:
         def run(b):
             t = teacher(b, rows, cached)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                loss, _ = ttt_forward(model, b, t, tc.ttt_steps, tc.step_decay)
+                loss, _ = ttt_forward(model, b, t, TTTSpec(tc.ttt_steps, tc.step_decay))
             loss.backward()
             model.zero_grad(set_to_none=True)
         return run

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eagle3.model import DraftModelConfig, Eagle3DraftModel  # noqa: E402
 from eagle3.shards import collate  # noqa: E402
 from eagle3.teacher import TeacherCache, VerifierHead, document_stats, make_teacher  # noqa: E402
-from eagle3.ttt import teacher_rows, ttt_forward  # noqa: E402
+from eagle3.ttt import TTTSpec, teacher_rows, ttt_forward  # noqa: E402
 
 H, VOCAB, DRAFT_VOCAB = 7168, 163840, 32000
 
@@ -87,7 +87,7 @@ def main() -> None:
 
     def step() -> None:
         model.zero_grad(set_to_none=True)
-        loss, _ = ttt_forward(model, batch, teacher, args.ttt, 0.8)
+        loss, _ = ttt_forward(model, batch, teacher, TTTSpec(args.ttt, 0.8))
         loss.backward()
 
     step_s = best_of(args.repeats, step)

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eagle3.model import DraftModelConfig, Eagle3DraftModel  # noqa: E402
 from eagle3.shards import collate  # noqa: E402
 from eagle3.teacher import VerifierHead, make_teacher  # noqa: E402
-from eagle3.ttt import ttt_forward  # noqa: E402
+from eagle3.ttt import TTTSpec, ttt_forward  # noqa: E402
 
 VOCAB, HIDDEN = 49152, 576
 
@@ -83,7 +83,7 @@ def run_ours(args, model, verifier_head, docs) -> tuple[callable, dict]:
         t0 = time.perf_counter()
         teacher = make_teacher(batch.final, head)
         teacher_s.append(time.perf_counter() - t0)
-        loss, _ = ttt_forward(model, batch, teacher, args.ttt, 0.8)
+        loss, _ = ttt_forward(model, batch, teacher, TTTSpec(args.ttt, 0.8))
         loss.backward()
         model.zero_grad(set_to_none=True)
     return step, {"teacher_s": teacher_s}

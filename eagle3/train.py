@@ -36,7 +36,7 @@ from eagle3.model import DraftModelConfig, Eagle3DraftModel
 from eagle3.runs import Stage, StageError, atomic_write_json, atomic_write_text, clean_stale_tmp
 from eagle3.shards import HiddenStates, pack
 from eagle3.teacher import TeacherCache, VerifierHead
-from eagle3.ttt import StepStats, TTTObjective, prepare_batch, ttt_forward
+from eagle3.ttt import StepStats, TTTObjective, TTTSpec, prepare_batch, ttt_forward
 from eagle3.verifier import read_tensor
 from eagle3.vocab import load_vocab, remap_lm_head
 from eagle3.weights_io import load as load_tensor
@@ -209,7 +209,7 @@ def measure_base(stage: Stage, base: base_drafter.BaseDrafter, model: Eagle3Draf
             sample["aux"] = sample["aux"][:, cols]
             batch, teacher = prepare_batch([sample], max(data.num_tokens(i), 1),
                                            torch.device("cpu"), torch.float32, head)
-            stats.add(ttt_forward(model, batch, teacher, tc.ttt_steps, tc.step_decay)[1])
+            stats.add(ttt_forward(model, batch, teacher, TTTSpec(tc.ttt_steps, tc.step_decay))[1])
         scores[name] = {"aux_layer_ids": ids, **stats.metrics()}
     return scores
 
@@ -333,9 +333,7 @@ def setup(stage: Stage) -> Trainer:
                     tc.autocast == "auto" and ctx.device.type == "cuda"))
     # Resume weights go in before any wrapping: every rank reads the same full checkpoint.
     saved = _load_latest(t)
-    t.objective = dist.wrap(TTTObjective(model, tc.ttt_steps, tc.step_decay, tc.loss,
-                                         tc.lk_eta, tc.reach_weight, tc.kl_temperature),
-                            parallel, ctx)
+    t.objective = dist.wrap(TTTObjective(model, TTTSpec.of(tc)), parallel, ctx)
     t.params = [p for p in model.parameters() if p.requires_grad]  # after FSDP's re-wrap
     t.optimizer = torch.optim.AdamW(t.params, lr=tc.lr, weight_decay=tc.weight_decay,
                                     betas=tuple(tc.adam_betas))
@@ -458,9 +456,7 @@ def validate(t: Trainer) -> dict[str, Any]:
     # Sharded weights are gathered inside the (FSDP) objective's forward, so under FSDP every
     # rank must run as many forwards: a rank short of batches repeats one, uncounted.
     forward = t.objective if t.parallel == "fsdp" else (
-        lambda b, teacher, temp: ttt_forward(t.model, b, teacher, tc.ttt_steps, tc.step_decay,
-                                             tc.loss, tc.lk_eta, temp, tc.reach_weight,
-                                             tc.kl_temperature))
+        lambda b, teacher, temp: ttt_forward(t.model, b, teacher, TTTSpec.of(tc), temp))
     with torch.no_grad():
         for r in range(math.ceil(len(groups) / ctx.world_size)):
             i = r * ctx.world_size + ctx.rank

@@ -28,7 +28,7 @@ a draft with the verifier's probability of it, as vLLM does (`est_accept_len_gre
 
     batch, teacher = prepare_batch(samples, budget, device, dtype,
                                    VerifierHead.of(lm_head, draft_ids))
-    loss, stats = ttt_forward(model, batch, teacher, ttt_steps=3, step_decay=0.8)
+    loss, stats = ttt_forward(model, batch, teacher, TTTSpec(ttt_steps=3, step_decay=0.8))
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Hashable, Optional
+from typing import TYPE_CHECKING, Any, Hashable, Optional
 
 import torch
 
@@ -45,8 +45,33 @@ from eagle3.model import Eagle3DraftModel, causal_doc_mask
 from eagle3.shards import Batch, collate
 from eagle3.teacher import Teacher, TeacherCache, VerifierHead, document_stats, make_teacher
 
+if TYPE_CHECKING:
+    from eagle3.config import TrainConfig
+
 
 LOSSES = ("kl", "lk_alpha", "lk_lambda")
+
+
+@dataclass(frozen=True)
+class TTTSpec:
+    """What TTT unrolls and minimises: one value, built once from the config (`of`), that
+    training, validation and the benchmarks hand to `ttt_forward` alike."""
+    ttt_steps: int
+    step_decay: float
+    """Loss weight of step k is step_decay**k."""
+    loss: str = "kl"
+    """One of LOSSES (`train.loss`)."""
+    lk_eta: float = 3.0
+    """LK^lambda's eta (`train.lk_eta`)."""
+    reach: str = "off"
+    """`train.reach_weight`: off | greedy | sampled (see `ttt_forward`)."""
+    kl_temperature: float = 1.0
+    """The KL target is the verifier's draft-vocabulary softmax at this temperature."""
+
+    @classmethod
+    def of(cls, tc: "TrainConfig") -> "TTTSpec":
+        return cls(tc.ttt_steps, tc.step_decay, tc.loss, tc.lk_eta, tc.reach_weight,
+                   tc.kl_temperature)
 
 
 def teacher_rows(batch: Batch) -> torch.Tensor:
@@ -165,39 +190,36 @@ def acceptance_probability(draft_logits: torch.Tensor, teacher_logits: torch.Ten
     return torch.minimum(p, q).sum(-1)
 
 
-def step_loss(kind: str, logits: torch.Tensor, t_logits: torch.Tensor, lse: torch.Tensor,
-              weight: torch.Tensor, n: torch.Tensor, lk_eta: float, kl_temperature: float = 1.0
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def step_loss(spec: TTTSpec, logits: torch.Tensor, t_logits: torch.Tensor, lse: torch.Tensor,
+              weight: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss of one TTT step, alpha per position). `weight` marks the positions that count (the
     counted ones whose teacher argmax is in the draft vocabulary), `n` the counted positions
     (the normaliser of every loss, as for KL)."""
-    p_tilde = torch.softmax(t_logits.float() / kl_temperature, dim=-1)
+    p_tilde = torch.softmax(t_logits.float() / spec.kl_temperature, dim=-1)
     log_q = torch.log_softmax(logits.float(), dim=-1)
     alpha = acceptance_probability(logits, t_logits, lse)
-    if kind == "kl":
+    if spec.loss == "kl":
         per_pos = -(p_tilde * log_q).sum(-1)
-    elif kind == "lk_alpha":
+    elif spec.loss == "lk_alpha":
         # alpha = 0 (no overlap) would give an infinite loss; speculators clamps at 1e-5 too.
         per_pos = -torch.log(alpha.clamp(min=1e-5))
-    elif kind == "lk_lambda":
+    elif spec.loss == "lk_lambda":
         kl = (p_tilde * (torch.log(p_tilde.clamp(min=1e-30)) - log_q)).sum(-1)
         mean_alpha = dist.all_reduce_sum([float((alpha.detach() * weight).sum()),
                                           float(n)])
-        lam = math.exp(-lk_eta * mean_alpha[0] / max(mean_alpha[1], 1.0))
+        lam = math.exp(-spec.lk_eta * mean_alpha[0] / max(mean_alpha[1], 1.0))
         per_pos = lam * kl + (1.0 - lam) * (1.0 - alpha)
     else:
-        raise ValueError(f"unknown TTT loss {kind!r}: one of {', '.join(LOSSES)}")
+        raise ValueError(f"unknown TTT loss {spec.loss!r}: one of {', '.join(LOSSES)}")
     return (per_pos * weight).sum() / n.clamp(min=1), alpha
 
 
-def ttt_forward(model: Eagle3DraftModel, batch: Batch, teacher: Teacher, ttt_steps: int,
-                step_decay: float, loss: str = "kl", lk_eta: float = 3.0,
-                estimate_temperature: Optional[float] = None, reach: str = "off",
-                kl_temperature: float = 1.0) -> tuple[torch.Tensor, StepStats]:
-    """Unroll `ttt_steps` draft steps on a packed batch; return (weighted loss, counts).
+def ttt_forward(model: Eagle3DraftModel, batch: Batch, teacher: Teacher, spec: TTTSpec,
+                estimate_temperature: Optional[float] = None) -> tuple[torch.Tensor, StepStats]:
+    """Unroll `spec.ttt_steps` draft steps on a packed batch; return (weighted loss, counts).
     `estimate_temperature` (needs a teacher made with that temperature) adds the expected
-    acceptance under sampling at T. `reach` (`train.reach_weight`) also weights step k's loss
-    per position by the chance that serving drafts step k there: `greedy`, 1 where steps
+    acceptance under sampling at T. `spec.reach` (`train.reach_weight`) also weights step k's
+    loss per position by the chance that serving drafts step k there: `greedy`, 1 where steps
     0..k-1 drafted the verifier's argmax, else 0 (GRIFFIN's loss masking, arXiv 2502.11018,
     for chain drafts); `sampled`, the product of their acceptance probabilities alpha."""
     T = batch.num_tokens
@@ -207,8 +229,8 @@ def ttt_forward(model: Eagle3DraftModel, batch: Batch, teacher: Teacher, ttt_ste
     h = model.project(batch.aux)
     alive = chain_p = chain_g = reached = None
     total = h.new_zeros(())
-    stats = StepStats.zeros(ttt_steps, estimate_temperature)
-    for k in range(ttt_steps):
+    stats = StepStats.zeros(spec.ttt_steps, estimate_temperature)
+    for k in range(spec.ttt_steps):
         src = idx + 1 + k                      # position of the input token (and its teacher)
         tgt = src + 1                          # position of the predicted token
         in_doc = src < batch.doc_end
@@ -224,11 +246,11 @@ def ttt_forward(model: Eagle3DraftModel, batch: Batch, teacher: Teacher, ttt_ste
         if reached is not None:
             weight = weight * reached
         n = counted.sum()
-        loss_k, alpha = step_loss(loss, logits, t_logits, teacher.lse.gather(1, src_c),
-                                  weight, n, lk_eta, kl_temperature)
-        total = total + (step_decay ** k) * loss_k
-        if reach != "off":
-            here = (alpha.detach() if reach == "sampled" else
+        loss_k, alpha = step_loss(spec, logits, t_logits, teacher.lse.gather(1, src_c), weight,
+                                  n)
+        total = total + (spec.step_decay ** k) * loss_k
+        if spec.reach != "off":
+            here = (alpha.detach() if spec.reach == "sampled" else
                     (model.draft_to_target(logits.detach().argmax(-1)) == t_argmax).float())
             reached = here if reached is None else reached * here
 
@@ -261,16 +283,10 @@ class TTTObjective(torch.nn.Module):
     """`ttt_forward` as a module's forward, so DistributedDataParallel can wrap it (DDP hooks
     the wrapped module's forward; the draft model's own entry points are `project`/`step`)."""
 
-    def __init__(self, model: Eagle3DraftModel, ttt_steps: int, step_decay: float,
-                 loss: str = "kl", lk_eta: float = 3.0, reach: str = "off",
-                 kl_temperature: float = 1.0):
+    def __init__(self, model: Eagle3DraftModel, spec: TTTSpec):
         super().__init__()
-        self.model, self.ttt_steps, self.step_decay = model, ttt_steps, step_decay
-        self.loss, self.lk_eta, self.reach = loss, lk_eta, reach
-        self.kl_temperature = kl_temperature
+        self.model, self.spec = model, spec
 
     def forward(self, batch: Batch, teacher: Teacher,
                 estimate_temperature: Optional[float] = None) -> tuple[torch.Tensor, StepStats]:
-        return ttt_forward(self.model, batch, teacher, self.ttt_steps, self.step_decay,
-                           self.loss, self.lk_eta, estimate_temperature, self.reach,
-                           self.kl_temperature)
+        return ttt_forward(self.model, batch, teacher, self.spec, estimate_temperature)

@@ -52,7 +52,7 @@ from transformers import LlamaConfig
 from eagle3.model import DraftModelConfig, Eagle3DraftModel
 from eagle3.shards import collate  # noqa: E402
 from eagle3.teacher import VerifierHead, make_teacher
-from eagle3.ttt import ttt_forward
+from eagle3.ttt import TTTSpec, ttt_forward
 
 _V, _VD, _H = 160, 48, 32
 _TTT, _DECAY = 4, 0.8
@@ -164,7 +164,7 @@ def test_logits_loss_and_gradients_match_speculators(attn, nbr, layers):
     teacher = make_teacher(batch.final, VerifierHead.of(verifier_head, draft_ids))
     assert bool(ours.t2d[teacher.argmax].all())  # precondition: see module docstring
     our_logits = capture_lm_head(ours)
-    our_loss, stats = ttt_forward(ours, batch, teacher, _TTT, _DECAY)
+    our_loss, stats = ttt_forward(ours, batch, teacher, TTTSpec(_TTT, _DECAY))
     our_loss.backward()
 
     sb = spec_batch(docs)

@@ -8,7 +8,7 @@ import torch
 from eagle3.model import DraftModelConfig, Eagle3DraftModel, apply_rope, rope_cos_sin
 from eagle3.shards import collate, pack
 from eagle3.teacher import VerifierHead, make_teacher
-from eagle3.ttt import StepStats, teacher_rows, training_targets, ttt_forward
+from eagle3.ttt import StepStats, TTTSpec, teacher_rows, training_targets, ttt_forward
 
 V, VD, H, HT, NAUX = 96, 40, 32, 24, 3
 
@@ -159,7 +159,7 @@ def test_ttt_matches_naive_reference(lengths, nbr):
     docs = samples(lengths)
     batch = collate(docs, max_tokens=1000)
     teacher = make_teacher(batch.final, VerifierHead.of(lm_head, torch.arange(VD) + model.d2t))
-    loss, stats = ttt_forward(model, batch, teacher, steps, decay)
+    loss, stats = ttt_forward(model, batch, teacher, TTTSpec(steps, decay))
 
     refs = [naive_doc(model, d, lm_head, steps, decay, nbr) for d in docs]
     ref_loss = 0.0
@@ -184,8 +184,8 @@ def test_reach_weighted_loss_matches_naive_reference(reach):
     docs = samples([13, 9, 11])
     batch = collate(docs, max_tokens=1000)
     teacher = make_teacher(batch.final, VerifierHead.of(lm_head, torch.arange(VD) + model.d2t))
-    loss, stats = ttt_forward(model, batch, teacher, steps, decay, reach=reach)
-    plain, plain_stats = ttt_forward(model, batch, teacher, steps, decay)
+    loss, stats = ttt_forward(model, batch, teacher, TTTSpec(steps, decay, reach=reach))
+    plain, plain_stats = ttt_forward(model, batch, teacher, TTTSpec(steps, decay))
     refs = [naive_doc(model, d, lm_head, steps, decay, False, reach=reach) for d in docs]
     want = sum(decay ** k * sum(r["ce"][k] for r in refs) / sum(r["n"][k] for r in refs)
                for k in range(steps))
@@ -205,8 +205,8 @@ def test_kl_temperature_sharpens_the_target_only():
     docs = samples([13, 9])
     batch = collate(docs, max_tokens=1000)
     teacher = make_teacher(batch.final, VerifierHead.of(lm_head, torch.arange(VD) + model.d2t))
-    loss, stats = ttt_forward(model, batch, teacher, steps, decay, kl_temperature=tau)
-    _, plain_stats = ttt_forward(model, batch, teacher, steps, decay)
+    loss, stats = ttt_forward(model, batch, teacher, TTTSpec(steps, decay, kl_temperature=tau))
+    _, plain_stats = ttt_forward(model, batch, teacher, TTTSpec(steps, decay))
     refs = [naive_doc(model, d, lm_head / tau, steps, decay, False) for d in docs]
     want = sum(decay ** k * sum(r["ce"][k] for r in refs) / sum(r["n"][k] for r in refs)
                for k in range(steps))
@@ -224,7 +224,7 @@ def test_lk_losses_and_sampled_estimate_match_naive_reference(loss):
     batch = collate(docs, max_tokens=1000)
     teacher = make_teacher(batch.final, VerifierHead.of(lm_head, torch.arange(VD) + model.d2t),
                            temperature=temp)
-    got, stats = ttt_forward(model, batch, teacher, steps, decay, loss, eta, temp)
+    got, stats = ttt_forward(model, batch, teacher, TTTSpec(steps, decay, loss, eta), temp)
     refs = [naive_doc(model, d, lm_head, steps, decay, False, temp) for d in docs]
     want = 0.0
     for k in range(steps):
@@ -276,7 +276,7 @@ def test_losses_have_finite_gradients_on_edge_cases(loss):
     docs[0]["loss_mask"] = torch.zeros(12, dtype=torch.long)
     batch = collate(docs, 1000)
     teacher = make_teacher(batch.final, VerifierHead.of(lm_head, torch.arange(VD) + model.d2t))
-    out, _ = ttt_forward(model, batch, teacher, 3, 0.8, loss)
+    out, _ = ttt_forward(model, batch, teacher, TTTSpec(3, 0.8, loss))
     out.backward()
     assert float(out.detach()) == 0.0
     assert all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in model.parameters())
@@ -287,8 +287,9 @@ def test_losses_have_finite_gradients_on_edge_cases(loss):
     outside = (~model.t2d).nonzero().squeeze(1)
     head = torch.zeros(V, HT)
     head[outside[0]] = 50.0  # the argmax is always this token
-    teacher = make_teacher(batch.final.abs() + 1, VerifierHead.of(head, torch.arange(VD) + model.d2t))
-    out, stats = ttt_forward(model, batch, teacher, 3, 0.8, loss)
+    teacher = make_teacher(batch.final.abs() + 1,
+                           VerifierHead.of(head, torch.arange(VD) + model.d2t))
+    out, stats = ttt_forward(model, batch, teacher, TTTSpec(3, 0.8, loss))
     out.backward()
     assert float(out.detach()) == 0.0 and stats.counted[0] > 0
     assert all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in model.parameters())
@@ -311,7 +312,7 @@ def test_teacher_only_on_supervised_rows_changes_nothing(steps):
     for teacher in (make_teacher(batch.final, VerifierHead.of(lm_head, draft_ids)),
                     make_teacher(batch.final, VerifierHead.of(lm_head, draft_ids), rows)):
         model.zero_grad()
-        loss, stats = ttt_forward(model, batch, teacher, steps, 0.8)
+        loss, stats = ttt_forward(model, batch, teacher, TTTSpec(steps, 0.8))
         loss.backward()
         results.append((loss.detach(), stats, [p.grad.clone() for p in model.parameters()
                                                 if p.grad is not None]))
@@ -336,7 +337,7 @@ def test_loss_on_all_trains_on_prompt_positions_too():
     for loss_on in ("assistant", "all"):
         b = training_targets(batch, loss_on)
         teacher = make_teacher(b.final, VerifierHead.of(lm_head, draft_ids), teacher_rows(b))
-        counts[loss_on] = ttt_forward(model, b, teacher, 3, 0.8)[1].counted
+        counts[loss_on] = ttt_forward(model, b, teacher, TTTSpec(3, 0.8))[1].counted
     # step k at aux position t >= 0 predicts x_{t+2+k}, t+2+k < L (a document of length L)
     assert counts["all"] == [sum(L - 2 - k for L in (14, 9)) for k in range(3)]
     assert counts["assistant"] == [sum(L - max(2 + k, L // 2) for L in (14, 9))
@@ -352,10 +353,10 @@ def test_packing_does_not_leak_between_documents():
     head = VerifierHead.of(lm_head, torch.arange(VD) + model.d2t)
     alone = collate([b], 1000)
     packed = collate([a, b], 1000)
-    _, s_alone = ttt_forward(model, alone, make_teacher(alone.final, head), 3, 0.8)
+    _, s_alone = ttt_forward(model, alone, make_teacher(alone.final, head), TTTSpec(3, 0.8))
     _, s_a = ttt_forward(model, collate([a], 1000),
-                         make_teacher(collate([a], 1000).final, head), 3, 0.8)
-    _, s_packed = ttt_forward(model, packed, make_teacher(packed.final, head), 3, 0.8)
+                         make_teacher(collate([a], 1000).final, head), TTTSpec(3, 0.8))
+    _, s_packed = ttt_forward(model, packed, make_teacher(packed.final, head), TTTSpec(3, 0.8))
     for k in range(3):
         assert s_packed.counted[k] == s_alone.counted[k] + s_a.counted[k]
         assert s_packed.correct[k] == s_alone.correct[k] + s_a.correct[k]
@@ -367,7 +368,7 @@ def test_gradients_reach_every_trainable_weight():
     batch = collate([{k: (v.float() if v.is_floating_point() else v) for k, v in s.items()}
                      for s in samples([16])], 1000)
     head = VerifierHead.of(lm_head, torch.arange(VD) + model.d2t)
-    loss, _ = ttt_forward(model, batch, make_teacher(batch.final, head), 3, 0.8)
+    loss, _ = ttt_forward(model, batch, make_teacher(batch.final, head), TTTSpec(3, 0.8))
     loss.backward()
     for name, p in model.named_parameters():
         if p.requires_grad:
