@@ -209,6 +209,7 @@ def measure_base(stage: Stage, base: base_drafter.BaseDrafter, model: Eagle3Draf
             sample["aux"] = sample["aux"][:, cols]
             batch, teacher = prepare_batch([sample], max(data.num_tokens(i), 1),
                                            torch.device("cpu"), torch.float32, head)
+            # metrics only, which no loss setting changes: the plain spec
             stats.add(ttt_forward(model, batch, teacher, TTTSpec(tc.ttt_steps, tc.step_decay))[1])
         scores[name] = {"aux_layer_ids": ids, **stats.metrics()}
     return scores
