@@ -1007,6 +1007,9 @@ def _check_type(name: str, value: Any, tp: Any) -> Any:
             raise ConfigError(f"{name}: must be a mapping, got {value!r}")
         return _build_dataclass(tp, value, name)
     if origin is Literal:
+        # YAML 1.1 reads a bare `off` (and `on`) as a boolean, in files and in overrides alike
+        if isinstance(value, bool) and ("on" if value else "off") in args:
+            value = "on" if value else "off"
         if value not in args:
             raise ConfigError(f"{name}: must be one of {list(args)}, got {value!r}")
         return value

@@ -96,6 +96,11 @@ def test_overrides_are_typed(tmp_path):
     assert cfg.verifier.aux_layer_ids == [1, 4, 9]
     assert cfg.bench.engines[0].server.extra_args == ["--enforce-eager"]
     assert cfg.train.finetune_from == "/x/y"
+    # a bare `off` is a YAML boolean: where the choices name it, it means the word
+    cfg = load_config(p, ["train.autocast=off", "train.reach_weight=off"])
+    assert cfg.train.autocast == "off" and cfg.train.reach_weight == "off"
+    with pytest.raises(ConfigError, match="train.loss_on: must be one of"):
+        load_config(p, ["train.loss_on=off"])
     with pytest.raises(ConfigError, match="did you mean `train.epochs`"):
         load_config(p, ["train.epoch=2"])
     with pytest.raises(ConfigError, match="must be an integer"):
