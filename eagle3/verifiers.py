@@ -84,11 +84,13 @@ def prepare_smollm2(dest: Path = SMOLLM2_DEST) -> Path:
 # The Kimi-K2.5 rehearsal verifier
 
 KIMI_RANKS = 16128  # BPE ranks; with the 256 reserved specials the vocabulary is 16384
+# kv_lora_rank and qk_rope_head_dim keep Kimi's real values (512 + 64): without AMX, vLLM-CPU's
+# MLA decode kernel serves only that latent width ("Unsupported block size: 16" otherwise).
 KIMI_TEXT = {  # Kimi-K2.5's text_config, scaled down (same fields, same routing, no head_dim)
     "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2",
     "vocab_size": KIMI_RANKS + 256, "hidden_size": 128, "intermediate_size": 256,
     "moe_intermediate_size": 64, "num_hidden_layers": 8, "num_attention_heads": 4,
-    "num_key_value_heads": 4, "q_lora_rank": 64, "kv_lora_rank": 256, "qk_nope_head_dim": 32,
+    "num_key_value_heads": 4, "q_lora_rank": 64, "kv_lora_rank": 512, "qk_nope_head_dim": 32,
     "qk_rope_head_dim": 64, "v_head_dim": 32, "n_routed_experts": 8, "n_shared_experts": 1,
     "num_experts_per_tok": 2, "first_k_dense_replace": 1, "moe_layer_freq": 1, "n_group": 1,
     "topk_group": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
@@ -193,9 +195,13 @@ def kimi_config(special: dict[str, int]) -> dict[str, Any]:
 
 def prepare_kimi_rehearsal(dest: Path = KIMI_DEST, smollm2: Path = SMOLLM2_DEST,
                            seed: int = 0) -> Path:
-    """Build (once) the Kimi-K2.5-shaped rehearsal verifier; return its path."""
+    """Build (once per shape) the Kimi-K2.5-shaped rehearsal verifier; return its path."""
     if (dest / "config.json").is_file() and (dest / "model.safetensors").is_file():
-        return dest
+        built = json.loads((dest / "config.json").read_text()).get("text_config", {})
+        if all(built.get(k) == v for k, v in KIMI_TEXT.items()):
+            return dest
+        log.info("the rehearsal verifier at %s has another shape: rebuilding it", dest)
+        shutil.rmtree(dest)
     prepare_smollm2(smollm2)
     log.info("building the Kimi-K2.5 rehearsal verifier at %s", dest)
     with atomic_dir(dest) as tmp:
