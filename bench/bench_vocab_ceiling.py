@@ -34,7 +34,7 @@ from eagle3.config import load_config  # noqa: E402
 from eagle3.data import tokenize_conversation  # noqa: E402
 from eagle3.runs import Stage  # noqa: E402
 from eagle3.verifier import load_tokenizer, stop_token_ids  # noqa: E402
-from eagle3.vocab import build_vocab_map, count_dataset  # noqa: E402
+from eagle3.vocab import build_vocab_map, count_dataset, coverage  # noqa: E402
 
 
 def greedy_answers(cfg, prompts: list[dict], max_tokens: int, batch: int = 16) -> list[str]:
@@ -97,7 +97,7 @@ def main() -> None:
     rows = {}
     for size in args.sizes:
         _, t2d = build_vocab_map(counts, size, stops)
-        train_cov = float(counts[t2d.numpy()].sum() / counts.sum())
+        train_cov = coverage(counts, t2d)
         cov, ceil = ceiling(targets, t2d, args.k)
         rows[size] = {"train_coverage": round(train_cov, 5), "mtbench_coverage": round(cov, 5),
                       "ceiling_accept_len": round(ceil, 4)}
