@@ -411,6 +411,10 @@ class TrainConfig:
     (prompt tokens too, against the verifier's distribution there: more signal from the same
     hidden states; the training metrics then count prompt tokens too). Validation metrics always
     count assistant tokens only."""
+    init_layer: Literal["random", "verifier"] = "random"
+    """How a fresh drafter's layer starts: `random`, or `verifier`: as the verifier layer that
+    reads the deepest aux state, `fc` passing that state through (eagle3/train.py
+    `init_from_verifier_layer`; Llama-shaped verifiers). Results: bench/RESULTS.md."""
     freeze_lm_head: bool = False
     """Keep `lm_head` at the verifier's rows (speculators' choice): the drafter then only has
     to imitate the verifier's final hidden state, which learns faster on little data."""
@@ -444,6 +448,10 @@ class TrainConfig:
         if self.keep < 2:
             raise ConfigError("train.keep must be >= 2: the newest checkpoint may be mid-save "
                               "when a crash happens")
+        if self.finetune_from and self.init_layer != "random":
+            raise ConfigError(f"train.init_layer={self.init_layer} starts a fresh drafter, but "
+                              f"train.finetune_from starts from {self.finetune_from}: set "
+                              f"train.init_layer=random")
 
 
 @dataclass(frozen=True)

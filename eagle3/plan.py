@@ -160,6 +160,7 @@ def preflight(cfg: Config, needed_bytes: float) -> list[Verdict]:
         verdicts.append(Verdict("verifier config", False, str(e)))
     verdicts.append(_tokenizer_verdict(cfg))
     verdicts.append(_base_verdict(cfg))
+    verdicts.append(_init_verdict(cfg))
     probe = cfg.run_dir
     while not probe.exists():
         probe = probe.parent
@@ -217,6 +218,24 @@ def _base_verdict(cfg: Config) -> Verdict:
     except (StageError, ConfigError) as e:
         return Verdict("base drafter shape", False, str(e)[:200])
     return Verdict("base drafter shape", not diffs, "; ".join(diffs) or "equal to ours")
+
+
+def _init_verdict(cfg: Config) -> Verdict:
+    if cfg.train.init_layer == "random":
+        return Verdict("drafter init from a verifier layer", None, "train.init_layer=random")
+    import torch
+    from eagle3.model import Eagle3DraftModel
+    from eagle3.train import draft_model_config, init_from_verifier_layer
+    try:
+        info = cfg.verifier_info
+        with torch.device("meta"):
+            model = Eagle3DraftModel(draft_model_config(cfg, info.vocab_size,
+                                                        cfg.vocab.draft_vocab_size))
+        init_from_verifier_layer(model, cfg.verifier_path, info, check_only=True)
+    except (StageError, ConfigError) as e:
+        return Verdict("drafter init from a verifier layer", False, str(e)[:200])
+    return Verdict("drafter init from a verifier layer", True,
+                   f"layer {info.aux_layer_ids[-1]}: every shape equal to the drafter's")
 
 
 def render_plan(cfg: Config) -> str:

@@ -37,7 +37,7 @@ from eagle3.runs import Stage, StageError, atomic_write_json, atomic_write_text,
 from eagle3.shards import HiddenStates, pack
 from eagle3.teacher import TeacherCache, VerifierHead
 from eagle3.ttt import StepStats, TTTObjective, TTTSpec, prepare_batch, ttt_forward
-from eagle3.verifier import read_tensor
+from eagle3.verifier import lazy_tensor, read_tensor
 from eagle3.vocab import load_vocab, remap_lm_head
 from eagle3.weights_io import load as load_tensor
 
@@ -117,7 +117,52 @@ def build_model(cfg: Config, d2t: torch.Tensor, t2d: torch.Tensor,
         model.lm_head.weight.copy_(verifier_lm_head[torch.arange(len(d2t)) + d2t])
         model.d2t.copy_(d2t)
         model.t2d.copy_(t2d)
+    if cfg.train.init_layer == "verifier":
+        init_from_verifier_layer(model, cfg.verifier_path, cfg.verifier_info)
     return model
+
+
+# Llama-shaped decoder layers: RMSNorm weights used as-is, no biases, no q/k norms.
+PLAIN_LAYER_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+
+
+def init_from_verifier_layer(model: Eagle3DraftModel, verifier: Path, info: VerifierInfo,
+                             check_only: bool = False) -> None:
+    """Start the drafter as the verifier layer that reads the deepest aux state
+    (`train.init_layer=verifier`): `fc` passes that state through, and layer 0's hidden half
+    of q/k/v, o_proj, MLP and norms are that layer's. The embedding half of q/k/v keeps its
+    random init, so the next token enters from the first step. `check_only` compares shapes
+    from the file headers and copies nothing (the plan's preflight; a meta-device model)."""
+    if info.architecture not in PLAIN_LAYER_ARCHITECTURES:
+        raise StageError(f"train.init_layer=verifier needs a Llama-shaped verifier "
+                         f"({', '.join(PLAIN_LAYER_ARCHITECTURES)}), not {info.architecture}: "
+                         f"set train.init_layer=random")
+    layer, H, dl = info.aux_layer_ids[-1], model.cfg.hidden_size, model.layers[0]
+    if model.cfg.target_hidden_size != H or layer >= info.num_hidden_layers:
+        raise StageError(f"train.init_layer=verifier needs the drafter's hidden size to equal "
+                         f"the verifier's and a layer after the deepest aux state {layer}: set "
+                         f"train.init_layer=random")
+
+    def take(dst: torch.Tensor, name: str) -> None:
+        src = lazy_tensor(verifier, f"layers.{layer}.{name}.weight")
+        if src.shape != dst.shape:
+            raise StageError(f"train.init_layer=verifier: the verifier's layer {layer} {name} is "
+                             f"{tuple(src.shape)}, the drafter's {tuple(dst.shape)}: set "
+                             f"train.init_layer=random (or draft.* to the verifier's geometry)")
+        if not check_only:
+            dst.copy_(read_tensor(verifier, f"layers.{layer}.{name}.weight"))
+
+    with torch.no_grad():
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            take(getattr(dl.self_attn, proj).weight[:, H:], f"self_attn.{proj}")
+        take(dl.self_attn.o_proj.weight, "self_attn.o_proj")
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            take(getattr(dl.mlp, proj).weight, f"mlp.{proj}")
+        take(dl.hidden_norm.weight, "input_layernorm")
+        take(dl.post_attention_layernorm.weight, "post_attention_layernorm")
+        if not check_only:
+            model.fc.weight.zero_()
+            model.fc.weight[:, -H:] = torch.eye(H)
 
 
 def build_finetune_model(stage: Stage, d2t: torch.Tensor, t2d: torch.Tensor,

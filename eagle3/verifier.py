@@ -124,6 +124,7 @@ TENSOR_NAMES = {
     "norm": ["model.norm.weight", "language_model.model.norm.weight",
              "model.language_model.norm.weight"],
 }
+LAYER_PREFIXES = ["model.", "language_model.model.", "model.language_model."]
 
 
 def weight_files(verifier: Path) -> dict[str, Path]:
@@ -169,8 +170,8 @@ def _safetensors_keys(path: Path) -> list[str]:
 
 
 def read_tensor(verifier: Path, what: str) -> torch.Tensor:
-    """The verifier's `embed`, `lm_head` (tied heads fall back to the embedding) or final
-    `norm` weight, reading only that tensor from disk."""
+    """The verifier's `embed`, `lm_head` (tied heads fall back to the embedding), final `norm`
+    weight or a decoder layer's `layers.{i}.{name}`, reading only that tensor from disk."""
     t = lazy_tensor(verifier, what)
     try:
         return t.load()
@@ -180,9 +181,13 @@ def read_tensor(verifier: Path, what: str) -> torch.Tensor:
 
 
 def lazy_tensor(verifier: Path, what: str) -> LazyTensor:
-    """`read_tensor`'s tensor, unread (shape and dtype from the file header)."""
+    """`read_tensor`'s tensor, unread (shape and dtype from the file header). `what` is a key
+    of TENSOR_NAMES or `layers.{i}.{name}` (a decoder layer's tensor, under the same wrappers)."""
     files = weight_files(verifier)
-    names = TENSOR_NAMES[what] + (TENSOR_NAMES["embed"] if what == "lm_head" else [])
+    if what.startswith("layers."):
+        names = [prefix + what for prefix in LAYER_PREFIXES]
+    else:
+        names = TENSOR_NAMES[what] + (TENSOR_NAMES["embed"] if what == "lm_head" else [])
     for name in names:
         if name in files:
             if not files[name].is_file():

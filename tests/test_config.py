@@ -67,6 +67,7 @@ def test_multimodal_wrapper_reads_text_config(tmp_path):
     ({"train": {"keep": 1}}, "train.keep must be >= 2"),
     ({"train": {"kl_temperature": 0}}, "train.kl_temperature must be > 0"),
     ({"train": {"reach_weight": "always"}}, "train.reach_weight: must be one of"),
+    ({"train": {"init_layer": "verifier", "finetune_from": "/x"}}, "set train.init_layer=random"),
     ({"draft": {"norm_before_residual": "no"}}, "must be true or false"),
     ({"generate": {"engine": "tgi"}}, "generate.engine: must be one of"),
     ({"verifier": {"aux_layer_ids": [2, 2, 5]}}, "must be distinct"),
