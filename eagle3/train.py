@@ -37,7 +37,7 @@ from eagle3.runs import Stage, StageError, atomic_write_json, atomic_write_text,
 from eagle3.shards import HiddenStates, pack
 from eagle3.teacher import TeacherCache, VerifierHead
 from eagle3.ttt import StepStats, TTTObjective, TTTSpec, prepare_batch, ttt_forward
-from eagle3.verifier import lazy_tensor, read_tensor
+from eagle3.verifier import lazy_tensor, load_lazy, read_tensor
 from eagle3.vocab import load_vocab, remap_lm_head
 from eagle3.weights_io import load as load_tensor
 
@@ -150,7 +150,7 @@ def init_from_verifier_layer(model: Eagle3DraftModel, verifier: Path, info: Veri
                              f"{tuple(src.shape)}, the drafter's {tuple(dst.shape)}: set "
                              f"train.init_layer=random (or draft.* to the verifier's geometry)")
         if not check_only:
-            dst.copy_(read_tensor(verifier, f"layers.{layer}.{name}.weight"))
+            dst.copy_(load_lazy(src))
 
     with torch.no_grad():
         for proj in ("q_proj", "k_proj", "v_proj"):

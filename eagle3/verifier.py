@@ -172,7 +172,11 @@ def _safetensors_keys(path: Path) -> list[str]:
 def read_tensor(verifier: Path, what: str) -> torch.Tensor:
     """The verifier's `embed`, `lm_head` (tied heads fall back to the embedding), final `norm`
     weight or a decoder layer's `layers.{i}.{name}`, reading only that tensor from disk."""
-    t = lazy_tensor(verifier, what)
+    return load_lazy(lazy_tensor(verifier, what))
+
+
+def load_lazy(t: LazyTensor) -> torch.Tensor:
+    """A `lazy_tensor`'s bytes; a damaged file is one clear error."""
     try:
         return t.load()
     except Exception as e:  # a truncated file fails here, not at open
