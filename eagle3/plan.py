@@ -196,10 +196,20 @@ def _tokenizer_verdict(cfg: Config) -> Verdict:
         text = render(tok, THINKING, add_generation_prompt=False)
     except StageError as e:
         return Verdict("tokenizer + chat template", False, str(e)[:200])
-    kind = "slow" if not tok.is_fast else "fast"
-    has = "reasoning rendered" if "Add them." in text else "reasoning NOT rendered"
-    return Verdict("tokenizer + chat template", "Add them." in text,
-                   f"{type(tok).__name__} ({kind}), thinking conversation: {has}")
+    kind = f"{type(tok).__name__} ({'fast' if tok.is_fast else 'slow'})"
+    if "Add them." in text:
+        return Verdict("tokenizer + chat template", True,
+                       f"{kind}, thinking conversation: reasoning rendered")
+    if not any(word in tok.chat_template for word in ("reasoning", "think")):
+        # A template with no notion of reasoning belongs to a verifier that writes none: a
+        # failure here would be a false alarm (stage 02 still refuses any sample whose
+        # reasoning the template drops).
+        return Verdict("tokenizer + chat template", None,
+                       f"{kind}; the template has no reasoning field: fine for a verifier that "
+                       f"does not think")
+    return Verdict("tokenizer + chat template", False,
+                   f"{kind}, thinking conversation: reasoning NOT rendered; set "
+                   f"verifier.chat_template to a template that renders reasoning_content")
 
 
 def _base_verdict(cfg: Config) -> Verdict:
