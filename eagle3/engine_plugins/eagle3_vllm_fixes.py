@@ -48,10 +48,25 @@ def register() -> None:
 
     if not current_platform.is_cpu():
         return
-    import vllm._C  # noqa: F401  (registers the CPU kernels the stand-ins call)
+    # The stand-ins call the CPU kernels, so they must be registered first, and by vLLM's own
+    # choice of library for this CPU (`_C` is AVX-512 + BF16; importing it on an AVX2-only
+    # CPU is SIGILL in every vLLM process). Where vLLM offers no such choice, or the check
+    # cannot run, nothing is changed.
+    import_kernels = getattr(current_platform, "import_kernels", None)
+    if import_kernels is None:
+        log.warning("eagle3 plugin: this vLLM has no CpuPlatform.import_kernels; the expand "
+                    "kernel stand-in is left as it is")
+        return
+    import_kernels()
     from vllm.utils import cpu_triton_utils
 
-    if not loses_values(cpu_triton_utils._expand_kernel_impl):  # also once it is ours
+    try:
+        broken = loses_values(cpu_triton_utils._expand_kernel_impl)  # also once it is ours
+    except Exception as e:  # noqa: BLE001 - kernels missing on this CPU: leave vLLM as it is
+        log.warning("eagle3 plugin: could not test vLLM-CPU's expand kernel stand-in (%s); "
+                    "left as it is", e)
+        return
+    if not broken:
         return
     cpu_triton_utils._expand_kernel_impl = expand
     log.warning("eagle3 plugin: vLLM-CPU's expand kernel stand-in loses float values (the "

