@@ -66,7 +66,7 @@ def main() -> None:
         "hf-single": {"engine": "hf", "batch_size": 1, "chunk_size": 64},
         "vllm": {"engine": "vllm", "concurrency": args.concurrency,
                  "server": {"max_model_len": 1024,
-                            "extra_args": ["--enforce-eager", "--dtype", "bfloat16"],
+                            "dtype": "native", "extra_args": ["--enforce-eager"],
                             "env": {"VLLM_CPU_KVCACHE_SPACE": "1",
                                     "VLLM_CPU_OMP_THREADS_BIND": "nobind"},
                             "startup_timeout_s": 600.0}},

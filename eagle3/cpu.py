@@ -16,7 +16,10 @@ import functools
 import os
 import shutil
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    from eagle3.config import Config
 
 # Overrides the probe (comma-separated flags, as /proc/cpuinfo spells them): lets a test or a
 # user rehearse another CPU's choices, e.g. EAGLE3_CPU_FLAGS=avx,avx2,fma,f16c.
@@ -121,3 +124,15 @@ def mla_eagle3_problem() -> Optional[str]:
     return ("vLLM-CPU without AMX cannot pair an MLA verifier with an EAGLE-3 drafter (its "
             "reference MLA kernel needs KV blocks of 16, the drafter's attention multiples of "
             "32: 'No common block size')")
+
+
+def machine_record(cfg: "Config") -> dict[str, Any]:
+    """What every stage manifest records of the machine: the CPU's features and the dtype each
+    engine section of `cfg` resolves to here."""
+    servers = {"generate.server": cfg.generate.server,
+               "hidden_states.server": cfg.hidden_states.server,
+               **{f"bench.engines[{i}].server": e.server for i, e in enumerate(cfg.bench.engines)
+                  if e.name != "hf"}}
+    return {"cpu": features().summary(), "gpu": has_gpu(),
+            "server_dtypes": {k: resolve_dtype(v.dtype) for k, v in servers.items()
+                              if v.dtype is not None}}

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from eagle3.config import Config, ServerConfig
+from eagle3.cpu import resolve_dtype
 from eagle3.runs import StageError
 from eagle3.verifier import chat_template_path
 
@@ -94,6 +95,9 @@ def server_command(engine: str, cfg: Config, server: ServerConfig, model: str, p
         cmd = [server.python or sys.executable, "-m", MODULES[engine], model_flag, model,
                "--host", HOST, "--port", str(port), len_flag, str(max_model_len)]
     cmd += [*server.extra_args, *args]
+    dtype = resolve_dtype(server.dtype)
+    if dtype is not None:
+        cmd += ["--dtype", dtype]
     template = chat_template_path(cfg)
     if template is not None and "--chat-template" not in cmd:
         cmd += ["--chat-template", str(template)]

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from eagle3.config import Config, field_default
+from eagle3.cpu import machine_record
 
 MANIFEST = "manifest.json"
 LOCKS = ".locks"
@@ -461,6 +462,7 @@ class Stage:
             "counts": counts,
             "files": files or {},
             "versions": _versions(),
+            "machine": machine_record(self.cfg),
             "timings": {"started": started, "finished": time.time(),
                         "seconds": round(time.time() - started, 2)},
             **extra,

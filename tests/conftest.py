@@ -105,3 +105,38 @@ def make_config(tmp_path: Path, verifier_path: Path, **sections):
 @pytest.fixture
 def tiny_config(tmp_path, tiny_verifier):
     return make_config(tmp_path, tiny_verifier)
+
+
+def random_drafter(cfg, draft_vocab: int):
+    """A random drafter for cfg's verifier with an identity vocabulary prefix (offsets 0)."""
+    from eagle3.model import DraftModelConfig, Eagle3DraftModel
+
+    info = cfg.verifier_info
+    model = Eagle3DraftModel(DraftModelConfig(
+        hidden_size=info.hidden_size, target_hidden_size=info.hidden_size, num_aux=3,
+        intermediate_size=info.intermediate_size, num_attention_heads=info.num_attention_heads,
+        num_key_value_heads=info.num_key_value_heads, head_dim=info.head_dim, num_layers=1,
+        rms_norm_eps=1e-5, rope_theta=info.rope_theta,
+        max_position_embeddings=info.max_position_embeddings, vocab_size=info.vocab_size,
+        draft_vocab_size=draft_vocab))
+    model.t2d[:draft_vocab] = True
+    return model
+
+
+def save_drafter(cfg, model) -> None:
+    """A finished stage 04 of cfg's run holding `model` as its best checkpoint."""
+    import time
+
+    from eagle3 import checkpoint, formats
+    from eagle3.runs import Stage
+
+    info = cfg.verifier_info
+    aux = list(info.aux_layer_ids)
+    train = Stage(cfg, 4)
+    train.dir.mkdir(parents=True)
+    spec = formats.speculators_config(model.cfg, aux, formats.ExportContext(
+        str(cfg.verifier_path), info.architecture))
+    path = checkpoint.save(train.dir, 1, model.trainable_state_dict(), model.cfg, aux, spec,
+                           {"world_size": 1})
+    checkpoint.set_best(train.dir, path)
+    train.write_manifest(inputs={}, outputs={}, counts={}, started=time.time())

@@ -596,3 +596,72 @@ def test_a_trained_drafter_that_accepts_nothing_fails_its_cell(tmp_path, tiny_ve
                             expect_trained=False)
     bench.run_bench(Stage6(relaxed))
     assert Stage6(relaxed).is_done()
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference decoder as a bench engine, and engine parity
+
+
+def test_reference_engine_settings():
+    assert BenchEngineConfig(name="hf").serves_baseline is False
+    assert BenchEngineConfig(name="vllm").serves_baseline is True
+    for bad, match in [({"tp": 2}, "runs in this process"), ({"baseline": True}, "no serving"),
+                       ({"server": ServerConfig(port=8000)}, "starts no server"),
+                       ({"depths": ["3/2/5"]}, "reference decoder drafts chains only")]:
+        with pytest.raises(ConfigError, match=match):
+            BenchEngineConfig(name="hf", **bad)
+
+
+def _row(engine, steps, temperature, length, concurrency=4):
+    return {"engine": engine, "run": f"{steps}/1/{steps + 1}", "prompt_set": "mtbench",
+            "depth": {"steps": steps, "topk": 1, "draft_tokens": steps + 1},
+            "temperature": temperature, "concurrency": concurrency,
+            "mean_acceptance_length": length, "reference": engine == "hf" or None}
+
+
+def test_engine_parity_fails_an_engine_clearly_below_the_reference_at_t0(tmp_path):
+    class FakeStage:
+        dir = tmp_path
+
+    rows = [_row("hf", 3, 0.0, 1.40, 1), _row("hf", 3, 0.6, 1.30, 1), _row("hf", 1, 0.0, 1.25, 1),
+            _row("vllm", 3, 0.0, 1.20), _row("vllm", 3, 0.6, 1.00), _row("vllm", 1, 0.0, 1.22),
+            _row("sglang", 3, 0.0, 1.39)]
+    bench.engine_parity(FakeStage(), rows)
+    vllm3, vllm3_hot, vllm1, sglang3 = rows[3:]
+    assert vllm3["reference_acceptance_length"] == 1.40
+    assert vllm3["failed"] and "1.200 against the reference decoder's 1.400" in \
+        vllm3["alarm"]["why"] and any("aux layers" in c for c in vllm3["alarm"]["check"])
+    assert not vllm3_hot.get("failed")  # T > 0: the reference is a yardstick, not an alarm
+    assert not vllm1.get("failed") and not sglang3.get("failed")  # within 10%
+    assert "ALARM" in bench.results_table([{**r, "per_position_acceptance": [], "num_drafts": 1,
+                                            "output_tok_s": 1.0, "ttft_s": 0.1, "tpot_s": None}
+                                           for r in rows])
+
+
+def test_sweep_with_the_reference_decoder_beside_an_engine(tmp_path, tiny_verifier, fake_python):
+    """Stage 06 with a stand-in vLLM and the real reference decoder on a real vllm export: one
+    reference cell per depth (no baseline, concurrency 1), the engine's rows carry the
+    reference's acceptance, the table labels the reference's tokens/s."""
+    from conftest import random_drafter, save_drafter
+    from eagle3.export import run_export
+    from eagle3.runs import Stage
+
+    server = {"python": fake_python, "startup_timeout_s": 30.0,
+              "env": {"FAKE_LOG": str(tmp_path / "starts.jsonl")}}
+    cfg = _bench_config(tmp_path, tiny_verifier, fake_python, engines=[
+        {"name": "vllm", "depths": [3], "baseline": False, "server": server},
+        {"name": "hf", "depths": [3]}], num_prompts=3, max_tokens=8, concurrency=[3],
+        expect_trained=False)
+    cfg = dataclasses.replace(cfg, export=dataclasses.replace(cfg.export, formats=["vllm"]))
+    save_drafter(cfg, random_drafter(cfg, 512))
+    run_export(Stage(cfg, 5))
+    stage = Stage(cfg, 6)
+    bench.run_bench(stage)
+    rows = {r["engine"]: r for r in json.loads((stage.dir / "results.json").read_text())["results"]}
+    ref = rows["hf"]
+    assert ref["cell"] == "hf-3_1_4-c1-mtbench-t0" and ref["reference"] and ref["num_drafts"] > 0
+    assert len(ref["per_position_acceptance"]) == 3
+    assert rows["vllm"]["reference_acceptance_length"] == ref["mean_acceptance_length"]
+    md = (stage.dir / "results.md").read_text()
+    assert "(reference)" in md and "(this row)" in md
+    assert [s["engine"] for s in _starts(tmp_path)] == ["vllm"]  # the reference starts no server

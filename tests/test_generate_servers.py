@@ -312,7 +312,7 @@ def test_stage_starts_sglang_server_and_stops_it(tmp_path, tiny_verifier):
 
 
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-VLLM_ARGS = ["--enforce-eager", "--dtype", "bfloat16"]
+VLLM_ARGS = ["--enforce-eager"]
 
 
 def _requests_served(url):
@@ -330,7 +330,7 @@ def test_real_vllm_started_by_stage_and_two_servers(tmp_path, smollm2):
                ["Give one word for happy."], ["What day follows Monday?"]]
     base = {"engine": "vllm", "max_new_tokens": 12, "concurrency": 4,
             "server": {"max_model_len": 512, "startup_timeout_s": 300.0,
-                       "extra_args": VLLM_ARGS, "env": VLLM_ENV}}
+                       "dtype": "native", "extra_args": VLLM_ARGS, "env": VLLM_ENV}}
     results = {}
     for name in ("started", "dp"):
         (tmp_path / name).mkdir()

@@ -4,7 +4,6 @@ sampling; and it reads the drafter from a real vLLM export."""
 
 import itertools
 import math
-import time
 
 import pytest
 import torch
@@ -133,41 +132,25 @@ def test_sampled_output_is_distributed_as_the_verifiers_sampling(draft_sample):
 
 def test_reads_the_drafter_from_a_vllm_export(tmp_path, tiny_verifier):
     """Through stage 05's export: the weights, d2t and aux ids the export writes."""
-    from conftest import make_config
-    from eagle3 import checkpoint, formats
+    from conftest import make_config, random_drafter, save_drafter
     from eagle3.export import run_export
     from eagle3.reference_decoder import load_drafter
     from eagle3.runs import Stage
 
     cfg = make_config(tmp_path, tiny_verifier, vocab={"draft_vocab_size": 256},
                       export={"formats": ["vllm"]})
-    info = cfg.verifier_info
-    draft = DraftModelConfig(
-        hidden_size=info.hidden_size, target_hidden_size=info.hidden_size, num_aux=3,
-        intermediate_size=info.intermediate_size, num_attention_heads=info.num_attention_heads,
-        num_key_value_heads=info.num_key_value_heads, head_dim=info.head_dim, num_layers=1,
-        rms_norm_eps=1e-5, rope_theta=info.rope_theta,
-        max_position_embeddings=info.max_position_embeddings, vocab_size=info.vocab_size,
-        draft_vocab_size=256)
-    model = Eagle3DraftModel(draft)
-    model.d2t.copy_(torch.arange(256) * 3)  # draft i -> target 4i: offsets 3i
-    model.t2d[::4][:256] = True
-    train = Stage(cfg, 4)
-    train.dir.mkdir(parents=True)
-    spec = formats.speculators_config(draft, [1, 2, 3], formats.ExportContext(
-        str(cfg.verifier_path), info.architecture))
-    path = checkpoint.save(train.dir, 1, model.trainable_state_dict(), draft, [1, 2, 3], spec,
-                           {"world_size": 1})
-    checkpoint.set_best(train.dir, path)
-    train.write_manifest(inputs={}, outputs={}, counts={}, started=time.time())
+    model = random_drafter(cfg, 256)
+    with torch.no_grad():  # draft i -> target 4i: offsets 3i
+        model.d2t.copy_(torch.arange(256) * 3)
+        model.t2d.zero_()
+        model.t2d[torch.arange(256) * 4] = True
+    save_drafter(cfg, model)
     run_export(Stage(cfg, 5))
 
     loaded, aux = load_drafter(cfg, Stage(cfg, 5).dir / "vllm")
     assert aux == [1, 2, 3]
-    assert torch.equal(loaded.d2t, model.d2t)
+    assert torch.equal(loaded.d2t, model.d2t) and torch.equal(loaded.t2d, model.t2d)
     exported = model.trainable_state_dict()
     for name, tensor in loaded.trainable_state_dict().items():
-        if not tensor.is_floating_point():
-            continue
-        # exported in bfloat16 (export.dtype), read back as float32
-        assert torch.allclose(tensor.float(), exported[name].to(torch.bfloat16).float()), name
+        if tensor.is_floating_point():  # exported in bfloat16 (export.dtype), read as float32
+            assert torch.equal(tensor, exported[name].to(torch.bfloat16).float()), name

@@ -118,8 +118,7 @@ def gemma_run(tmp_path_factory, gemma_verifier):
         # serves the verifier with the drafter.
         bench={"engines": [{"name": "vllm", "depths": [3], "baseline": False, "server": {
             "max_model_len": 512, "startup_timeout_s": 300.0,
-            "extra_args": ["--enforce-eager", "--dtype", "bfloat16", "--model-impl",
-                           "transformers"],
+            "dtype": "native", "extra_args": ["--enforce-eager", "--model-impl", "transformers"],
             "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}}}],
             "num_prompts": 3, "max_tokens": 16, "concurrency": [2], "temperature": [0.0],
             "expect_trained": False})

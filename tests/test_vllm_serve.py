@@ -34,7 +34,7 @@ def test_random_drafter_serves_in_vllm(tmp_path, smollm2):
         export={"formats": ["vllm"]},
         bench={"engines": [{"name": "vllm", "depths": [3], "baseline": False, "server": {
             "max_model_len": 512, "startup_timeout_s": 240.0,
-            "extra_args": ["--enforce-eager", "--dtype", "bfloat16"],
+            "dtype": "native", "extra_args": ["--enforce-eager"],
             "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}}}],
             "num_prompts": 3, "max_tokens": 16, "concurrency": [3], "expect_trained": False})
     info = cfg.verifier_info
@@ -91,8 +91,8 @@ def test_converted_drafters_serve_in_vllm(tmp_path, smollm2, layout):
     convert_dir(src, tmp_path / "out", "--verifier", str(smollm2), "--formats", "vllm",
                 "--dtype", "bfloat16")
     cfg = make_config(tmp_path, smollm2)
-    server = ServerConfig(startup_timeout_s=240.0, max_model_len=512,
-                          extra_args=["--enforce-eager", "--dtype", "bfloat16"],
+    server = ServerConfig(startup_timeout_s=240.0, max_model_len=512, dtype="native",
+                          extra_args=["--enforce-eager"],
                           env={"VLLM_CPU_KVCACHE_SPACE": "1",
                                "VLLM_CPU_OMP_THREADS_BIND": "nobind"})
     log = tmp_path / "vllm.log"
