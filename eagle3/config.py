@@ -728,6 +728,8 @@ class VerifierInfo:
     tie_word_embeddings: bool
     aux_layer_ids: tuple[int, ...]
     """Resolved aux ids, HF `output_hidden_states` convention."""
+    mla: bool = False
+    """Multi-head latent attention (DeepSeek-V3, Kimi-K2.5: `kv_lora_rank` in the config)."""
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
@@ -844,6 +846,7 @@ def read_verifier_info(verifier: VerifierConfig) -> VerifierInfo:
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings",
                                                                           False))),
         aux_layer_ids=tuple(ids),
+        mla=text.get("kv_lora_rank") is not None,
     )
 
 

@@ -117,22 +117,54 @@ def resolve_dtype(dtype: Optional[str]) -> Optional[str]:
     return native_dtype() if dtype == "native" else dtype
 
 
-def mla_eagle3_problem() -> Optional[str]:
-    """Why vLLM-CPU cannot serve an MLA verifier with an EAGLE-3 drafter here, or None."""
-    if has_gpu() or features().amx:
+def mla_eagle3_problem(cfg: "Config") -> Optional[str]:
+    """Why vLLM-CPU cannot serve cfg's verifier with an EAGLE-3 drafter here, or None."""
+    if not cfg.verifier_info.mla or has_gpu() or features().amx:
         return None
     return ("vLLM-CPU without AMX cannot pair an MLA verifier with an EAGLE-3 drafter (its "
             "reference MLA kernel needs KV blocks of 16, the drafter's attention multiples of "
             "32: 'No common block size')")
 
 
+def cpu_verdicts(cfg: "Config") -> list[tuple[str, Optional[bool], str]]:
+    """(check, ok, detail) of what this machine can run of cfg, for the plan's preflight; ok
+    None = not a question here (a GPU node: the engines' GPU builds decide)."""
+    f = features()
+    if has_gpu():
+        return [("machine", None, "a GPU is visible: CPU kernels are not used")]
+    out = [("CPU instruction set", f.avx2,
+            f"{f.summary()}; vLLM-CPU loads {f.vllm_kernels}" if f.avx2 else
+            f"{f.summary()}: vLLM-CPU needs at least AVX2 (x86-64 since 2013)")]
+    for section, server in engine_servers(cfg).items():
+        if server.dtype == "native":
+            out.append((f"{section}.dtype", True, f"native = {native_dtype()} here"
+                        + ("" if f.native_bf16 else " (no AVX-512-BF16 or AMX: bfloat16 would be "
+                           "emulated at half the speed)")))
+        elif server.dtype == "bfloat16" and not f.native_bf16:
+            out.append((f"{section}.dtype", True, "bfloat16 is emulated on this CPU (half the "
+                        "speed of float32): dtype native would choose float32"))
+    if any(e.name == "vllm" for e in cfg.bench.engines):
+        try:
+            problem = mla_eagle3_problem(cfg)
+        except Exception:  # noqa: BLE001 - no verifier here: nothing to say about it
+            problem = None
+        if problem:
+            out.append(("stage 06 on vLLM-CPU", False, f"{problem}: bench with "
+                        f"bench.engines=[{{name: hf}}] (the reference decoder) on this CPU"))
+    return out
+
+
+def engine_servers(cfg: "Config") -> dict[str, Any]:
+    """Every engine server section of cfg by its dotted name."""
+    return {"generate.server": cfg.generate.server,
+            "hidden_states.server": cfg.hidden_states.server,
+            **{f"bench.engines[{i}].server": e.server for i, e in enumerate(cfg.bench.engines)
+               if e.name != "hf"}}
+
+
 def machine_record(cfg: "Config") -> dict[str, Any]:
     """What every stage manifest records of the machine: the CPU's features and the dtype each
     engine section of `cfg` resolves to here."""
-    servers = {"generate.server": cfg.generate.server,
-               "hidden_states.server": cfg.hidden_states.server,
-               **{f"bench.engines[{i}].server": e.server for i, e in enumerate(cfg.bench.engines)
-                  if e.name != "hf"}}
     return {"cpu": features().summary(), "gpu": has_gpu(),
-            "server_dtypes": {k: resolve_dtype(v.dtype) for k, v in servers.items()
+            "server_dtypes": {k: resolve_dtype(v.dtype) for k, v in engine_servers(cfg).items()
                               if v.dtype is not None}}

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from eagle3.config import Config, ConfigError, VerifierInfo, load_config, read_verifier_info
+from eagle3.cpu import cpu_verdicts, features
 from eagle3.runs import StageError
 
 GB = 1e9
@@ -123,6 +124,8 @@ def engine_commands(cfg: Config) -> dict[str, list[str]]:
             cfg.hidden_states.server.max_model_len or cfg.data.max_seq_len + 1,
             vllm_server_args(ids, cfg.run_dir / "02_hidden_states" / ".vllm_hidden_states"))
     for engine in cfg.bench.engines:  # the first depth of each engine: the deepest, by habit
+        if engine.name == "hf":  # the reference decoder runs in-process, no server
+            continue
         depth = engine.parsed_depths[0]
         out[f"06 bench {engine.name} {depth.label}"] = server_command(
             engine.name, cfg, engine.server, str(cfg.verifier_path), 8002,
@@ -173,7 +176,8 @@ def preflight(cfg: Config, needed_bytes: float) -> list[Verdict]:
     if cfg.hidden_states.backend == "vllm":
         engines.setdefault("vllm", cfg.hidden_states.server)
     for engine in cfg.bench.engines:
-        engines.setdefault(engine.name, engine.server)
+        if engine.name != "hf":
+            engines.setdefault(engine.name, engine.server)
     for module, server in engines.items():
         if server.command:
             found = shutil.which(server.command[0])
@@ -181,6 +185,7 @@ def preflight(cfg: Config, needed_bytes: float) -> list[Verdict]:
                                     found or "not found"))
         else:
             verdicts.append(_engine_version(server.python or sys.executable, module))
+    verdicts += [Verdict(*v) for v in cpu_verdicts(cfg)]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         verdicts.append(Verdict("a local port for engine servers", True,
@@ -259,6 +264,7 @@ def render_plan(cfg: Config) -> str:
     mem = training_memory(cfg, info)
     train_tokens = d["tokens"] * (1 - cfg.train.val_fraction) * cfg.train.epochs
     lines = [f"plan for {cfg.source} (run {cfg.run_dir}); verifier shape from {source}",
+             f"  this machine: {features().summary()} (what it can run: preflight below)",
              f"  {info.architecture}: {info.num_hidden_layers} layers, hidden {info.hidden_size}, "
              f"vocab {info.vocab_size}, aux ids {list(info.aux_layer_ids)}", "",
              f"01 generate: {d['prompts']} prompts"

