@@ -130,6 +130,100 @@ class DocMask:
         return self._dense
 
 
+ATTENTION_CHUNK = 1024
+"""Query rows per block of `TTTAttention`: transient scores are [B, heads, chunk, L]."""
+
+
+class TTTAttention(torch.autograd.Function):
+    """Causal attention over step-0 keys plus each query's own diagonal keys of the later TTT
+    steps, with memory linear in L: scores are formed one block of query rows at a time and
+    never saved; backward recomputes them from the saved log-sum-exp (the flash-attention
+    recurrence, in plain PyTorch so that CPU and CUDA run the same code).
+
+    q, k0, v0 `[B, h, L, d]`; kd, vd `[B, h, L, n, d]` (the n later steps' keys and values at
+    the query's own position; n may be 0). Query t sees step-0 keys 0..t and its n diagonal
+    keys. Softmax in float32, matmuls in the inputs' dtype, as `Attention._attend` did.
+    """
+
+    @staticmethod
+    def _scores(q: torch.Tensor, k0: torch.Tensor, kd: torch.Tensor, start: int, end: int,
+                scale: float) -> torch.Tensor:
+        """Float32 scores of query rows [start, end): [B, h, C, end + n] (keys 0..end-1, then
+        the diagonal ones), causally masked."""
+        qs = q[:, :, start:end]
+        acc = torch.promote_types(q.dtype, torch.float32)  # softmax in at least float32
+        s = torch.matmul(qs, k0[:, :, :end].transpose(-1, -2)).to(acc) * scale
+        causal = torch.ones(end - start, end, dtype=torch.bool, device=q.device).tril(start)
+        s = s.masked_fill(~causal, float("-inf"))
+        if kd.shape[3]:
+            diag = (qs.unsqueeze(3) * kd[:, :, start:end]).sum(-1).to(acc) * scale
+            s = torch.cat([s, diag], dim=-1)
+        return s
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, kd: torch.Tensor,
+                vd: torch.Tensor, scale: float, chunk: int) -> torch.Tensor:
+        L = q.shape[2]
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:3], dtype=torch.promote_types(q.dtype, torch.float32),
+                          device=q.device)
+        for start in range(0, L, chunk):
+            end = min(start + chunk, L)
+            s = TTTAttention._scores(q, k0, kd, start, end, scale)
+            lse[:, :, start:end] = torch.logsumexp(s, dim=-1)
+            probs = torch.exp(s - lse[:, :, start:end, None]).to(q.dtype)
+            o = torch.matmul(probs[..., :end], v0[:, :, :end])
+            if kd.shape[3]:
+                o = o + (probs[..., end:, None] * vd[:, :, start:end]).sum(3)
+            out[:, :, start:end] = o
+        ctx.save_for_backward(q, k0, v0, kd, vd, out, lse)
+        ctx.scale, ctx.chunk = scale, chunk
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        q, k0, v0, kd, vd, out, lse = ctx.saved_tensors
+        scale, chunk = ctx.scale, ctx.chunk
+        L = q.shape[2]
+        dq, dk0, dv0 = torch.zeros_like(q), torch.zeros_like(k0), torch.zeros_like(v0)
+        dkd, dvd = torch.zeros_like(kd), torch.zeros_like(vd)
+        # D_t = sum_j P_tj dP_tj = dout_t . out_t (the softmax backward's row term)
+        delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
+        for start in range(0, L, chunk):
+            end = min(start + chunk, L)
+            s = TTTAttention._scores(q, k0, kd, start, end, scale)
+            probs = torch.exp(s - lse[:, :, start:end, None])
+            p0 = probs[..., :end].to(q.dtype)
+            g = dout[:, :, start:end]
+            dv0[:, :, :end] += torch.matmul(p0.transpose(-1, -2), g)
+            dp = torch.matmul(g, v0[:, :, :end].transpose(-1, -2)).to(lse.dtype)
+            ds = probs[..., :end] * (dp - delta[:, :, start:end, None])
+            ds_c = ds.to(q.dtype)
+            dq[:, :, start:end] = torch.matmul(ds_c, k0[:, :, :end]) * scale
+            dk0[:, :, :end] += torch.matmul(ds_c.transpose(-1, -2), q[:, :, start:end]) * scale
+            if kd.shape[3]:
+                pd = probs[..., end:]                                        # [B, h, C, n]
+                dvd[:, :, start:end] = pd.to(q.dtype)[..., None] * g.unsqueeze(3)
+                dpd = (g.unsqueeze(3) * vd[:, :, start:end]).sum(-1).to(lse.dtype)
+                dsd = (pd * (dpd - delta[:, :, start:end, None])).to(q.dtype)
+                dq[:, :, start:end] += (dsd[..., None] * kd[:, :, start:end]).sum(3) * scale
+                dkd[:, :, start:end] = dsd[..., None] * q[:, :, start:end].unsqueeze(3) * scale
+        return dq, dk0, dv0, dkd, dvd, None, None
+
+
+def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
+                  later: list[tuple[torch.Tensor, torch.Tensor]], scale: float,
+                  chunk: int = ATTENTION_CHUNK) -> torch.Tensor:
+    """`TTTAttention` over step-0 keys/values and the later steps' (k, v) `[B, h, L, d]`."""
+    B, h, L, d = q.shape
+    if later:
+        kd = torch.stack([k for k, _ in later], dim=3)
+        vd = torch.stack([v for _, v in later], dim=3)
+    else:
+        kd = vd = q.new_zeros(B, h, L, 0, d)
+    return TTTAttention.apply(q, k0, v0, kd, vd, scale, chunk)
+
+
 class Attention(nn.Module):
     """Llama attention that also attends to the same position's earlier TTT steps.
 
@@ -174,14 +268,17 @@ class Attention(nn.Module):
     def _attend(self, q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]],
                 start: int, end: int, mask: Optional[torch.Tensor]) -> torch.Tensor:
         """Attention output of queries [start, end) over step-0 keys [start, end) (causal, or
-        `mask` when given) and their own diagonal keys of the later cached steps."""
+        `mask` when given) and their own diagonal keys of the later cached steps. The causal
+        case runs `ttt_attention` (memory linear in L); a dense mask (rows that are not one
+        run per document) forms the [L, L + k] scores."""
         L = end - start
         scale = 1.0 / math.sqrt(self.head_dim)
         qs = q[:, :, start:end]
         k0, v0 = cache[0][0][:, :, start:end], cache[0][1][:, :, start:end]
+        if mask is None:  # one causal document: memory linear in L
+            return ttt_attention(qs, k0, v0, [(k[:, :, start:end], v[:, :, start:end])
+                                              for k, v in cache[1:]], scale)
         scores = torch.matmul(qs, k0.transpose(-1, -2)) * scale          # [B, h, L, L]
-        if mask is None:
-            mask = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
         scores = scores.masked_fill(~mask, float("-inf"))
         if len(cache) > 1:
             diag = torch.stack([(qs * kj[:, :, start:end]).sum(-1) for kj, _ in cache[1:]],

