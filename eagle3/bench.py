@@ -802,7 +802,9 @@ def run_bench(stage: Stage) -> None:
     failed = [r for r in results if r.get("failed")]
     if failed:
         a = failed[0]["alarm"]
-        raise StageError(f"{len(failed)} cell(s) accept nothing: {failed[0]['cell']}: {a['why']}"
+        what = ("accept nothing or less than the reference decoder" if any(
+            r.get("reference_acceptance_length") for r in failed) else "accept nothing")
+        raise StageError(f"{len(failed)} cell(s) {what}: {failed[0]['cell']}: {a['why']}"
                          f". Check: {'; '.join(a['check'])}. Engine log lines: "
                          f"{' | '.join(a['engine_log'][-3:]) or 'none'} (results/"
                          f"{failed[0]['cell']}.json has all of it)")
