@@ -558,20 +558,24 @@ def engine_parity(stage: Stage, results: list[dict[str, Any]]) -> None:
             continue
         theirs, ours = r["mean_acceptance_length"], match["mean_acceptance_length"]
         r["reference_acceptance_length"] = ours
-        if theirs is None or r["temperature"] != 0 or r.get("failed"):
+        if theirs is None or r["temperature"] != 0 or theirs >= ours * (1 - PARITY_TOLERANCE):
             continue
-        if theirs < ours * (1 - PARITY_TOLERANCE):
-            path = stage.dir / "logs" / f"{r['engine']}-{r['run'].replace('/', '_')}.log"
-            text = path.read_text(errors="replace") if path.is_file() else ""
-            r["failed"] = True
-            r["alarm"] = {
-                "why": f"mean acceptance length {theirs:.3f} against the reference decoder's "
-                       f"{ours:.3f} on the same prompts ({theirs / ours - 1:+.1%}; engine "
-                       f"parity allows -{PARITY_TOLERANCE:.0%} at T = 0): the drafter is "
-                       f"fine, the engine loses acceptance",
-                "check": PARITY_CAUSES,
-                "engine_log": [x.strip() for x in text.splitlines() if LOG_HINTS.search(x)][-12:],
-                "root_cause": root_cause(path)}
+        why = (f"mean acceptance length {theirs:.3f} against the reference decoder's "
+               f"{ours:.3f} on the same prompts ({theirs / ours - 1:+.1%}; engine parity "
+               f"allows -{PARITY_TOLERANCE:.0%} at T = 0): the drafter is fine, the engine "
+               f"loses acceptance")
+        if r.get("alarm"):  # already failed (e.g. accepts nothing): say the drafter is fine
+            r["alarm"]["why"] = f"{why}; {r['alarm']['why']}"
+            continue
+        if r.get("failed"):
+            continue
+        path = stage.dir / "logs" / f"{r['engine']}-{r['run'].replace('/', '_')}.log"
+        text = path.read_text(errors="replace") if path.is_file() else ""
+        r["failed"] = True
+        r["alarm"] = {
+            "why": why, "check": PARITY_CAUSES,
+            "engine_log": [x.strip() for x in text.splitlines() if LOG_HINTS.search(x)][-12:],
+            "root_cause": root_cause(path)}
 
 
 def alarm(stage: Stage, result: dict[str, Any], log_path: Path) -> dict[str, Any]:

@@ -637,6 +637,14 @@ def test_engine_parity_fails_an_engine_clearly_below_the_reference_at_t0(tmp_pat
                                             "output_tok_s": 1.0, "ttft_s": 0.1, "tpot_s": None}
                                            for r in rows])
 
+    # A cell the acceptance floor already failed keeps its causes and says the drafter is fine.
+    dead = {**_row("vllm", 3, 0.0, 1.00), "failed": True,
+            "alarm": {"why": "mean acceptance length 1.000 over 300 drafts", "check": ["x"]}}
+    bench.engine_parity(FakeStage(), [rows[0], dead])
+    assert dead["alarm"]["why"].startswith("mean acceptance length 1.000 against the reference "
+                                           "decoder's 1.400") and dead["alarm"]["check"] == ["x"]
+    assert dead["alarm"]["why"].endswith("; mean acceptance length 1.000 over 300 drafts")
+
 
 def test_sweep_with_the_reference_decoder_beside_an_engine(tmp_path, tiny_verifier, fake_python):
     """Stage 06 with a stand-in vLLM and the real reference decoder on a real vllm export: one
