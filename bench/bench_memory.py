@@ -1,19 +1,27 @@
-"""Peak memory of one training micro-batch (teacher + TTT forward + backward) against the
-length L of its one document, and a least-squares fit peak = a + b*L + c*L^2*heads*steps.
+"""Peak memory of one training micro-batch (teacher + TTT forward + backward): against the
+length L of its one document, and against the drafter's widths. The fits are what
+`eagle3.plan` uses to predict stage 04's per-GPU peak (`eagle3/memory.py`).
 
-    .venv/bin/python bench/bench_memory.py [--lengths 1024,2048,4096,8192,16384]
-                                           [--hidden 512] [--heads 4] [--ttt 3]
+    .venv/bin/python bench/bench_memory.py lengths [--lengths 1024,2048,4096,8192,16384]
+    .venv/bin/python bench/bench_memory.py widths  [--length 2048]
+    options: --ttt 3  --autocast bf16|off  --repo PATH (measure another checkout's eagle3)
 
-A reduced width that fits a 24 GB machine at 16k tokens: hidden 512 (also the verifier's),
-heads x 128, MLP 2 x hidden, verifier vocabulary 4096, draft vocabulary 1024, fp32, one layer.
-Each length runs in its own subprocess; its peak is the rise of `ru_maxrss` over the resident
-size right before the step (model and batch built). Run it on the code before and after a
-change (e.g. `git worktree add /tmp/before REV` and run that copy) to compare fits.
+`lengths` fits peak = a + b*L + c*(heads*steps*L^2) at a reduced width that fits a 24 GB
+machine at 16k tokens: hidden 512 (also the verifier's), 4 heads x 128, MLP 1024, verifier
+vocabulary 4096, draft vocabulary 1024. `widths` holds L and varies the draft vocabulary, the
+hidden size, the MLP size and the heads one at a time, and fits the bytes per token and TTT
+step: peak / (L*steps) = b0 + bV*V_draft + bH*hidden + bI*intermediate + bA*heads*head_dim.
+
+Each point runs in its own subprocess under bf16 autocast with float32 master weights (what
+stage 04 runs on a GPU); gradients are allocated before the step, so the peak is the rise of
+`ru_maxrss` over the resident size right before it: activations, the teacher and transients.
+To compare with older code: `git worktree add /tmp/before REV`, then `--repo /tmp/before`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import resource
 import subprocess
@@ -23,6 +31,8 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+VERIFIER_VOCAB = 4096
+BASE = {"hidden": 512, "intermediate": 1024, "draft_vocab": 1024, "heads": 4}
 
 
 def rss_bytes() -> int:
@@ -30,70 +40,111 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
-def worker(args: argparse.Namespace, L: int) -> dict:
-    sys.path.insert(0, str(REPO))
+def worker(repo: str, L: int, hidden: int, intermediate: int, draft_vocab: int, heads: int,
+           ttt: int, autocast: str) -> dict:
+    sys.path.insert(0, repo)
     from eagle3.model import DraftModelConfig, Eagle3DraftModel
     from eagle3.shards import collate
     from eagle3.teacher import VerifierHead, make_teacher
     from eagle3.ttt import TTTSpec, ttt_forward
 
     torch.manual_seed(0)
-    H, V, VD = args.hidden, 4096, 1024
+    H, V, VD = hidden, VERIFIER_VOCAB, draft_vocab
     cfg = DraftModelConfig(hidden_size=H, target_hidden_size=H, num_aux=3,
-                           intermediate_size=2 * H, num_attention_heads=args.heads,
-                           num_key_value_heads=args.heads, head_dim=128, num_layers=1,
+                           intermediate_size=intermediate, num_attention_heads=heads,
+                           num_key_value_heads=heads, head_dim=128, num_layers=1,
                            rms_norm_eps=1e-5, rope_theta=1e6, max_position_embeddings=1 << 20,
                            vocab_size=V, draft_vocab_size=VD)
     model = Eagle3DraftModel(cfg)
     with torch.no_grad():
         model.t2d[:VD] = True
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
     head = VerifierHead.of(torch.randn(V, H) * 0.02, torch.arange(VD))
     doc = {"input_ids": torch.randint(0, V, (L,)), "loss_mask": torch.ones(L, dtype=torch.long),
            "aux": torch.randn(L, 3 * H), "final": torch.randn(L, H)}
     batch = collate([doc], 1 << 30)
+    ctx = (torch.autocast("cpu", dtype=torch.bfloat16) if autocast == "bf16"
+           else contextlib.nullcontext())
     before = rss_bytes()
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     teacher = make_teacher(batch.final, head, None, None, None)
-    loss, _ = ttt_forward(model, batch, teacher, TTTSpec(ttt_steps=args.ttt, step_decay=0.8))
-    loss.backward()
+    with ctx:  # as stage 04's train_step: teacher outside, forward and backward inside
+        loss, _ = ttt_forward(model, batch, teacher, TTTSpec(ttt_steps=ttt, step_decay=0.8))
+        loss.backward()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"L": L, "peak_rise_bytes": peak - max(before, base) if peak > base else 0}
+    return {"L": L, "hidden": H, "intermediate": intermediate, "draft_vocab": VD,
+            "heads": heads, "ttt": ttt, "peak_rise_bytes": max(peak - max(before, base), 0)}
 
 
-def fit(rows: list[dict], heads: int, steps: int) -> dict:
-    """Least squares of peak = a + b*L + c*(heads*steps*L^2)."""
-    X = torch.tensor([[1.0, r["L"], heads * steps * r["L"] ** 2] for r in rows],
-                     dtype=torch.float64)
-    y = torch.tensor([float(r["peak_rise_bytes"]) for r in rows], dtype=torch.float64)
-    coef = torch.linalg.lstsq(X, y[:, None]).solution[:, 0].tolist()
-    return {"const_bytes": coef[0], "bytes_per_token": coef[1],
-            "bytes_per_head_L2_step": coef[2]}
+def measure(args: argparse.Namespace, **point: int) -> dict:
+    spec = {**BASE, **point}
+    cmd = [sys.executable, __file__, "worker", "--repo", args.repo, "--ttt", str(args.ttt),
+           "--autocast", args.autocast, "--point", json.dumps(spec)]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"{spec}: {(out.stderr.strip().splitlines() or ['?'])[-1]}")
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"{spec}: peak rise {row['peak_rise_bytes'] / 2**20:.0f} MiB", flush=True)
+    return row
+
+
+def lstsq(X: list[list[float]], y: list[float]) -> list[float]:
+    A = torch.tensor(X, dtype=torch.float64)
+    return torch.linalg.lstsq(A, torch.tensor(y, dtype=torch.float64)[:, None]
+                              ).solution[:, 0].tolist()
+
+
+def fit_lengths(rows: list[dict]) -> dict:
+    """peak = a + b*L + c*(heads*steps*L^2)."""
+    coef = lstsq([[1.0, r["L"], r["heads"] * r["ttt"] * r["L"] ** 2] for r in rows],
+                 [float(r["peak_rise_bytes"]) for r in rows])
+    return {"const_bytes": round(coef[0]), "bytes_per_token": round(coef[1], 1),
+            "bytes_per_head_L2_step": round(coef[2], 4)}
+
+
+def fit_widths(rows: list[dict]) -> dict:
+    """peak / (L*steps) = b0 + bV*draft_vocab + bH*hidden + bI*intermediate
+    + bA*heads*head_dim."""
+    coef = lstsq([[1.0, r["draft_vocab"], r["hidden"], r["intermediate"], r["heads"] * 128]
+                  for r in rows], [r["peak_rise_bytes"] / (r["L"] * r["ttt"]) for r in rows])
+    return {"bytes_per_token_step": round(coef[0], 1),
+            "per_draft_vocab_row": round(coef[1], 3), "per_hidden_unit": round(coef[2], 3),
+            "per_intermediate_unit": round(coef[3], 3), "per_attention_unit": round(coef[4], 3)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mode", choices=["lengths", "widths", "worker"])
     parser.add_argument("--lengths", default="1024,2048,4096,8192,16384")
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--length", type=int, default=2048)
     parser.add_argument("--ttt", type=int, default=3)
-    parser.add_argument("--worker", type=int, default=None)
+    parser.add_argument("--autocast", choices=["bf16", "off"], default="bf16")
+    parser.add_argument("--repo", default=str(REPO))
+    parser.add_argument("--point", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker is not None:
-        print(json.dumps(worker(args, args.worker)))
+    if args.mode == "worker":
+        p = json.loads(args.point)
+        print(json.dumps(worker(args.repo, p["L"], p["hidden"], p["intermediate"],
+                                p["draft_vocab"], p["heads"], args.ttt, args.autocast)))
         return
-    rows = []
-    for L in (int(x) for x in args.lengths.split(",")):
-        out = subprocess.run([sys.executable, __file__, "--worker", str(L), "--hidden",
-                              str(args.hidden), "--heads", str(args.heads), "--ttt",
-                              str(args.ttt)], capture_output=True, text=True)
-        if out.returncode != 0:
-            print(f"L={L}: failed ({out.stderr.strip().splitlines()[-1:]})", flush=True)
-            break
-        row = json.loads(out.stdout.strip().splitlines()[-1])
-        rows.append(row)
-        print(f"L={L}: peak rise {row['peak_rise_bytes'] / 2**20:.0f} MiB", flush=True)
-    if len(rows) >= 3:
-        print(json.dumps(fit(rows, args.heads, args.ttt), indent=1))
+    if args.mode == "lengths":
+        rows = []
+        for L in (int(x) for x in args.lengths.split(",")):
+            try:
+                rows.append(measure(args, L=L))
+            except RuntimeError as e:
+                print(f"L={L} failed: {e}", flush=True)
+                break
+        print(json.dumps({"rows": rows, "fit": fit_lengths(rows) if len(rows) >= 3 else None}))
+        return
+    L = args.length
+    points = [{}, {"draft_vocab": 4096}, {"draft_vocab": 8192}, {"hidden": 1024},
+              {"hidden": 2048}, {"intermediate": 4096}, {"intermediate": 8192}, {"heads": 8},
+              {"heads": 16}]
+    rows = [measure(args, L=L, **p) for p in points]
+    print(json.dumps({"rows": rows, "fit": fit_widths(rows)}))
 
 
 if __name__ == "__main__":

@@ -84,10 +84,10 @@ def _prepare(stage: Stage, args: argparse.Namespace,
 
 
 def _run(stage: Stage, run: Callable[[Stage], None], args: argparse.Namespace,
-         preflight: Optional[Callable[[Stage], None]]) -> None:
+         preflight: Optional[Callable[[Stage], None]], devices: bool) -> None:
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    if distributed:
-        dist.init()
+    if distributed or devices:  # before any check of the inputs: a missing GPU fails at once
+        dist.init(stage.cfg.train.device, stage.cfg.train.collective_timeout_min)
     with stage.lock() if is_rank0() else _no_lock():
         done = _prepare(stage, args, preflight) if is_rank0() else False
         if distributed:  # the other ranks wait for rank 0's checks, restart or repair
@@ -127,18 +127,20 @@ def _disk_full_message(path: Optional[Path], stage: Optional[Stage]) -> str:
 
 def stage_main(number: int, run: Callable[[Stage], None], description: str,
                argv: list[str] | None = None, aliases: dict[str, str] | None = None,
-               preflight: Optional[Callable[[Stage], None]] = None) -> int:
+               preflight: Optional[Callable[[Stage], None]] = None,
+               devices: bool = False) -> int:
     """Entry point of stage `number`. `aliases` maps extra `--flag VALUE` options to config keys
     (e.g. {"--finetune-from": "train.finetune_from"}); `preflight` runs the stage's own checks
-    of its inputs before anything is moved or written."""
+    of its inputs before anything is moved or written. `devices`: the stage trains on
+    `train.device`, checked before anything else."""
     args, overrides = _parse(description, argv, aliases or {})
     setup_logging()
     stage: Optional[Stage] = None
     try:
         stage = Stage(load_config(args.config, overrides), number)
-        _run(stage, run, args, preflight)
+        _run(stage, run, args, preflight, devices)
         return 0
-    except (ConfigError, StageError) as e:
+    except (ConfigError, StageError, dist.DeviceError) as e:
         if args.debug:
             traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)

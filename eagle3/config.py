@@ -437,8 +437,22 @@ class TrainConfig:
     tensorboard: bool = False
     """Also write the metrics as TensorBoard scalars under 04_train/tensorboard/
     (needs `pip install tensorboard`)."""
+    activation_checkpointing: bool = False
+    """Recompute each TTT step's activations in backward instead of keeping them: per token and
+    step, only the step's hidden state, keys/values and logits stay (bench/RESULTS.md "Training
+    memory" measures both; ~1/3 more compute for the drafter's forward). On for Kimi."""
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """Where stage 04 trains (and torchrun stages join their process group): `auto` takes CUDA
+    when this torch sees a GPU, else the CPU (gloo); `cuda` requires one GPU per local rank and
+    stops with a one-line error otherwise, so that a CPU build of torch on a GPU node never
+    trains silently on the CPU (set it in GPU configs)."""
+    collective_timeout_min: float = 30.0
+    """Timeout of the torchrun process group (NCCL/gloo watchdog), minutes: a rank that waits
+    longer than this on a collective aborts the job (PyTorch's default is 10)."""
 
     def __post_init__(self) -> None:
+        if self.collective_timeout_min <= 0:
+            raise ConfigError("train.collective_timeout_min must be > 0")
         for name in ("epochs", "ttt_steps", "batch_tokens", "grad_accum", "checkpoint_every",
                      "log_every", "measure_samples"):
             _positive(f"train.{name}", getattr(self, name))

@@ -13,6 +13,7 @@ shared files and logs.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import os
 from dataclasses import dataclass
@@ -46,22 +47,45 @@ def _env_int(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
 
 
-def init() -> DistContext:
-    """Join the torchrun job (if any) and return this process's rank, world size and device."""
+class DeviceError(RuntimeError):
+    """The devices this process was asked to use are not there (a one-line message)."""
+
+
+def cuda_shortfall(local_world: int) -> str | None:
+    """Why `local_world` ranks cannot each own a GPU here, or None when they can."""
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n == 0:
+        build = f"torch {torch.__version__}" + ("" if torch.version.cuda else
+                                                 ", a CPU-only build")
+        return (f"this torch ({build}) sees no GPU: install a CUDA build of torch (README, "
+                f"'GPU environment') or set train.device=cpu")
+    if local_world > n:
+        return (f"{local_world} ranks on this node but torch sees {n} GPU(s): start torchrun "
+                f"with --nproc-per-node {n} or fewer, or check CUDA_VISIBLE_DEVICES")
+    return None
+
+
+def init(device: str = "auto", timeout_min: float = 30.0) -> DistContext:
+    """Join the torchrun job (if any) and return this process's rank, world size and device.
+    `device` (`train.device`): auto | cuda | cpu; `cuda` raises `DeviceError` when each local
+    rank cannot have a GPU. The process group's collectives time out after `timeout_min`."""
     world = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)
     local_rank = _env_int("LOCAL_RANK", 0)
     local_world = _env_int("LOCAL_WORLD_SIZE", world)
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
+    if device == "cuda" and (why := cuda_shortfall(local_world)):
+        raise DeviceError(f"train.device=cuda, but {why}")
+    if device != "cpu" and torch.cuda.is_available():
+        target = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(target)
     else:
-        device = torch.device("cpu")
+        target = torch.device("cpu")
     if world > 1 and not torch_dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        backend = "nccl" if target.type == "cuda" else "gloo"
         torch_dist.init_process_group(backend=backend, rank=rank, world_size=world,
-                                      device_id=device if device.type == "cuda" else None)
-    return DistContext(rank, world, local_rank, local_world, device)
+                                      timeout=datetime.timedelta(minutes=timeout_min),
+                                      device_id=target if target.type == "cuda" else None)
+    return DistContext(rank, world, local_rank, local_world, target)
 
 
 def barrier() -> None:

@@ -354,7 +354,7 @@ def setup(stage: Stage) -> Trainer:
     stage.require(3)
     if tc.tensorboard:
         _tensorboard_writer_class()  # fail on every rank before any work, not later on rank 0
-    ctx = dist.init()
+    ctx = dist.init(tc.device, tc.collective_timeout_min)
     data = _load_data(stage)
     d2t, t2d = load_vocab(stage.upstream(3).dir)
     lm_head = read_tensor(cfg.verifier_path, "lm_head").to(ctx.device, torch.float32)

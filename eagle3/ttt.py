@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Hashable, Optional
 
 import torch
+import torch.utils.checkpoint
 
 from eagle3 import dist
 from eagle3.model import Eagle3DraftModel, causal_doc_mask
@@ -67,11 +68,14 @@ class TTTSpec:
     """`train.reach_weight`: off | greedy | sampled (see `ttt_forward`)."""
     kl_temperature: float = 1.0
     """The KL target is the verifier's draft-vocabulary softmax at this temperature."""
+    checkpoint_steps: bool = False
+    """`train.activation_checkpointing`: keep only each TTT step's inputs and outputs for
+    backward and recompute the step there (see `_checkpointed_step`)."""
 
     @classmethod
     def of(cls, tc: "TrainConfig") -> "TTTSpec":
         return cls(tc.ttt_steps, tc.step_decay, tc.loss, tc.lk_eta, tc.reach_weight,
-                   tc.kl_temperature)
+                   tc.kl_temperature, tc.activation_checkpointing)
 
 
 def teacher_rows(batch: Batch) -> torch.Tensor:
@@ -190,28 +194,92 @@ def acceptance_probability(draft_logits: torch.Tensor, teacher_logits: torch.Ten
     return torch.minimum(p, q).sum(-1)
 
 
-def step_loss(spec: TTTSpec, logits: torch.Tensor, t_logits: torch.Tensor, lse: torch.Tensor,
-              weight: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss of one TTT step, alpha per position). `weight` marks the positions that count (the
-    counted ones whose teacher argmax is in the draft vocabulary), `n` the counted positions
-    (the normaliser of every loss, as for KL)."""
-    p_tilde = torch.softmax(t_logits.float() / spec.kl_temperature, dim=-1)
+LOSS_CHUNK = 2048
+"""Token rows per chunk of a step's loss: the float32 [chunk, V_draft] softmaxes of one chunk
+exist at a time, and none is kept for backward (each chunk is recomputed there)."""
+
+
+def _chunk_loss(spec: TTTSpec, logits: torch.Tensor, teacher_logits: torch.Tensor,
+                src: torch.Tensor, lse: torch.Tensor, weight: torch.Tensor,
+                lam: float) -> torch.Tensor:
+    """Sum over one chunk of positions of weight x the per-position loss (float32)."""
+    t_logits = teacher_logits.gather(1, src[..., None].expand(-1, -1, teacher_logits.shape[-1]))
     log_q = torch.log_softmax(logits.float(), dim=-1)
-    alpha = acceptance_probability(logits, t_logits, lse)
-    if spec.loss == "kl":
-        per_pos = -(p_tilde * log_q).sum(-1)
-    elif spec.loss == "lk_alpha":
+    if spec.loss == "lk_alpha":
         # alpha = 0 (no overlap) would give an infinite loss; speculators clamps at 1e-5 too.
-        per_pos = -torch.log(alpha.clamp(min=1e-5))
-    elif spec.loss == "lk_lambda":
-        kl = (p_tilde * (torch.log(p_tilde.clamp(min=1e-30)) - log_q)).sum(-1)
-        mean_alpha = dist.all_reduce_sum([float((alpha.detach() * weight).sum()),
-                                          float(n)])
-        lam = math.exp(-spec.lk_eta * mean_alpha[0] / max(mean_alpha[1], 1.0))
-        per_pos = lam * kl + (1.0 - lam) * (1.0 - alpha)
+        per_pos = -torch.log(acceptance_probability(logits, t_logits, lse).clamp(min=1e-5))
     else:
+        p_tilde = torch.softmax(t_logits.float() / spec.kl_temperature, dim=-1)
+        if spec.loss == "kl":
+            per_pos = -(p_tilde * log_q).sum(-1)
+        else:  # lk_lambda
+            kl = (p_tilde * (torch.log(p_tilde.clamp(min=1e-30)) - log_q)).sum(-1)
+            alpha = acceptance_probability(logits, t_logits, lse)
+            per_pos = lam * kl + (1.0 - lam) * (1.0 - alpha)
+    return (per_pos * weight).sum()
+
+
+def step_loss(spec: TTTSpec, logits: torch.Tensor, teacher_logits: torch.Tensor,
+              src: torch.Tensor, lse: torch.Tensor, weight: torch.Tensor, n: torch.Tensor,
+              chunk: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss of one TTT step, alpha per position, detached). `teacher_logits` `[B, T', V_d]`
+    are read at rows `src` `[B, T]` (the step's source positions); `lse` is the full-vocabulary
+    log-normalizer at those rows. `weight` marks the positions that count (the counted ones
+    whose teacher argmax is in the draft vocabulary), `n` the counted positions (the normaliser
+    of every loss, as for KL).
+
+    Memory: the loss runs over `chunk` token rows at a time under activation checkpointing, so
+    backward keeps only the step's logits, never a float32 [T, V_d] softmax; at Kimi's draft
+    vocabulary that is ~17 bytes per vocabulary row, token and TTT step saved (issue 28's
+    probe), about 60 GB for a 16k-token micro-batch at TTT 7."""
+    if spec.loss not in LOSSES:
         raise ValueError(f"unknown TTT loss {spec.loss!r}: one of {', '.join(LOSSES)}")
-    return (per_pos * weight).sum() / n.clamp(min=1), alpha
+    T, chunk = logits.shape[1], chunk or LOSS_CHUNK
+    bounds = [(s, min(s + chunk, T)) for s in range(0, T, chunk)]
+    with torch.no_grad():
+        V = teacher_logits.shape[-1]
+        alpha = torch.cat([acceptance_probability(
+            logits[:, s:e], teacher_logits.gather(1, src[:, s:e, None].expand(-1, -1, V)),
+            lse[:, s:e]) for s, e in bounds], dim=1)
+    lam = 0.0
+    if spec.loss == "lk_lambda":
+        mean_alpha = dist.all_reduce_sum([float((alpha * weight).sum()), float(n)])
+        lam = math.exp(-spec.lk_eta * mean_alpha[0] / max(mean_alpha[1], 1.0))
+    grad = torch.is_grad_enabled() and logits.requires_grad
+    total = logits.new_zeros((), dtype=torch.float32)
+    for s, e in bounds:
+        args = (spec, logits[:, s:e], teacher_logits, src[:, s:e], lse[:, s:e], weight[:, s:e],
+                lam)
+        total = total + (torch.utils.checkpoint.checkpoint(_chunk_loss, *args,
+                                                           use_reentrant=False)
+                         if grad else _chunk_loss(*args))
+    return total / n.clamp(min=1), alpha
+
+
+def _plain_step(model: Eagle3DraftModel, h: torch.Tensor, input_ids: torch.Tensor,
+                positions: torch.Tensor, mask: Any, cache: list[list[Any]]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    return model.step(h, input_ids, positions, mask, cache)
+
+
+def _checkpointed_step(model: Eagle3DraftModel, h: torch.Tensor, input_ids: torch.Tensor,
+                       positions: torch.Tensor, mask: Any, cache: list[list[Any]]
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`model.step` under activation checkpointing: backward keeps the step's input hidden
+    state, its keys/values (later steps attend to them) and its logits (the loss reads them),
+    and recomputes everything in between (the MLP, norms, projections). The recomputation
+    runs on a copy of the cache as it was when the step ran, so it sees the same keys."""
+    before = [list(layer) for layer in cache]
+
+    def run(h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        local = [list(layer) for layer in before]
+        h, logits = model.step(h, input_ids, positions, mask, local)
+        return (h, logits) + tuple(t for layer in local for t in layer[-1])
+
+    h, logits, *kv = torch.utils.checkpoint.checkpoint(run, h, use_reentrant=False)
+    for layer, i in zip(cache, range(0, len(kv), 2)):
+        layer.append((kv[i], kv[i + 1]))
+    return h, logits
 
 
 def ttt_forward(model: Eagle3DraftModel, batch: Batch, teacher: Teacher, spec: TTTSpec,
@@ -237,20 +305,20 @@ def ttt_forward(model: Eagle3DraftModel, batch: Batch, teacher: Teacher, spec: T
         src_c, tgt_c = src.clamp(max=T - 1), tgt.clamp(max=T - 1)
         input_ids = torch.where(in_doc, batch.input_ids.gather(1, src_c), 0)
         counted = (tgt < batch.doc_end) & batch.loss_mask.gather(1, tgt_c)
-        h, logits = model.step(h, input_ids, batch.positions + k, mask, cache)
+        step = _checkpointed_step if spec.checkpoint_steps and torch.is_grad_enabled() \
+            else _plain_step
+        h, logits = step(model, h, input_ids, batch.positions + k, mask, cache)
 
-        t_logits = teacher.draft_logits.gather(
-            1, src_c[..., None].expand(-1, -1, teacher.draft_logits.shape[-1]))
         t_argmax = teacher.argmax.gather(1, src_c)
         weight = (counted & model.t2d[t_argmax]).float()
         if reached is not None:
             weight = weight * reached
         n = counted.sum()
-        loss_k, alpha = step_loss(spec, logits, t_logits, teacher.lse.gather(1, src_c), weight,
-                                  n)
+        loss_k, alpha = step_loss(spec, logits, teacher.draft_logits, src_c,
+                                  teacher.lse.gather(1, src_c), weight, n)
         total = total + (spec.step_decay ** k) * loss_k
         if spec.reach != "off":
-            here = (alpha.detach() if spec.reach == "sampled" else
+            here = (alpha if spec.reach == "sampled" else
                     (model.draft_to_target(logits.detach().argmax(-1)) == t_argmax).float())
             reached = here if reached is None else reached * here
 
@@ -267,6 +335,8 @@ def ttt_forward(model: Eagle3DraftModel, batch: Batch, teacher: Teacher, spec: T
             stats.alpha[k] = float((alpha * counted).sum())
             if estimate_temperature:
                 lse_t = teacher.lse_t.gather(1, src_c)
+                t_logits = teacher.draft_logits.gather(
+                    1, src_c[..., None].expand(-1, -1, teacher.draft_logits.shape[-1]))
                 a_t = acceptance_probability(logits, t_logits, lse_t,
                                              estimate_temperature) * counted
                 g_t = torch.exp(t_logits.float().gather(-1, logits.argmax(-1, keepdim=True))

@@ -277,3 +277,28 @@ def test_run_pipeline_reads_a_relative_config_and_checks_from_stage(prepared, tm
     # The config was found (relative to the caller) and stage 06 names its missing upstream.
     assert out.returncode == 2 and "05_export is not complete" in out.stderr, out.stderr
     assert cfg.source.endswith("config.yaml")
+
+
+def test_training_on_cuda_without_a_gpu_stops_before_any_check(prepared, tmp_path):
+    """`train.device=cuda` where torch sees no GPU (a CPU build of torch on a GPU node): one
+    line before stage 04 reads anything, instead of a silent gloo run on the CPU."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    out = run("04_train.py", prepared, "train.device=cuda")
+    line = one_line_error(out)
+    assert "train.device=cuda" in line and "sees no GPU" in line, line
+    assert not (prepared.run_dir / "04_train").exists()
+
+
+def test_cuda_preflight_counts_the_gpus_per_local_rank(monkeypatch):
+    from eagle3 import dist
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert dist.cuda_shortfall(4) is None
+    assert "8 ranks on this node but torch sees 4 GPU(s)" in dist.cuda_shortfall(8)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert "sees no GPU" in dist.cuda_shortfall(1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    with pytest.raises(dist.DeviceError, match="train.device=cuda, but"):
+        dist.init("cuda")

@@ -424,3 +424,84 @@ def test_linear_memory_attention_equals_the_dense_one(n_later, chunk):
     torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-10)
     for a, b in zip(our_grads, ref_grads):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("loss", ["kl", "lk_alpha", "lk_lambda"])
+def test_chunked_checkpointed_loss_equals_the_whole_one(loss, monkeypatch):
+    """The step loss over token chunks under activation checkpointing (nothing float32 of
+    [T, V_draft] saved for backward) against one chunk covering every row: the loss, every
+    metric and every gradient."""
+    import eagle3.ttt as ttt
+
+    model = tiny_model()
+    lm_head = torch.randn(V, HT, dtype=torch.float64)
+    batch = collate(samples([13, 9, 11]), max_tokens=1000)
+    teacher = make_teacher(batch.final, VerifierHead.of(lm_head, torch.arange(VD) + model.d2t))
+    spec = TTTSpec(3, 0.8, loss, reach="sampled")
+    results = []
+    for chunk in (1 << 20, 5):
+        monkeypatch.setattr(ttt, "LOSS_CHUNK", chunk)
+        model.zero_grad()
+        got, stats = ttt_forward(model, batch, teacher, spec)
+        got.backward()
+        results.append((got.detach(), stats, {n: p.grad.clone() for n, p in
+                                              model.named_parameters() if p.grad is not None}))
+    (whole, s_whole, g_whole), (chunked, s_chunked, g_chunked) = results
+    # the loss math runs in float32: only the order of its sums differs
+    torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-7)
+    assert s_chunked.correct == s_whole.correct and s_chunked.full == s_whole.full
+    assert s_chunked.alpha == pytest.approx(s_whole.alpha, rel=1e-6)
+    assert g_chunked.keys() == g_whole.keys() and len(g_whole) > 5
+    for name in g_whole:
+        torch.testing.assert_close(g_chunked[name], g_whole[name], rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_activation_checkpointing_changes_no_number(num_layers):
+    """`train.activation_checkpointing`: each TTT step recomputed in backward gives the same
+    loss, metrics and gradients as the step kept whole."""
+    model = tiny_model(num_layers=num_layers)
+    lm_head = torch.randn(V, HT, dtype=torch.float64)
+    batch = collate(samples([13, 9, 11]), max_tokens=1000)
+    teacher = make_teacher(batch.final, VerifierHead.of(lm_head, torch.arange(VD) + model.d2t))
+    results = []
+    for on in (False, True):
+        model.zero_grad()
+        loss, stats = ttt_forward(model, batch, teacher,
+                                  TTTSpec(4, 0.8, "lk_lambda", checkpoint_steps=on))
+        loss.backward()
+        results.append((loss.detach(), stats, {n: p.grad.clone() for n, p in
+                                               model.named_parameters() if p.grad is not None}))
+    (plain, s_plain, g_plain), (ckpt, s_ckpt, g_ckpt) = results
+    assert torch.equal(ckpt, plain)
+    assert s_ckpt.correct == s_plain.correct and s_ckpt.alpha == s_plain.alpha
+    assert g_ckpt.keys() == g_plain.keys() and len(g_plain) > 5
+    for name in g_plain:
+        torch.testing.assert_close(g_ckpt[name], g_plain[name], rtol=1e-12, atol=1e-14)
+
+
+def saved_for_backward(model, batch, teacher, spec) -> list[torch.Tensor]:
+    """Every tensor autograd keeps for backward in one TTT forward (what checkpointed regions
+    keep: their inputs and outputs)."""
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        ttt_forward(model, batch, teacher, spec)
+    return saved
+
+
+def test_what_backward_keeps_is_bounded():
+    """The loss keeps no float32 [T, V_draft] tensor (chunks are recomputed), and activation
+    checkpointing keeps under a fifth of the bytes kept without it."""
+    model = tiny_model()
+    lm_head = torch.randn(V, HT, dtype=torch.float64)
+    batch = collate(samples([40, 30, 50]), max_tokens=1000)
+    teacher = make_teacher(batch.final, VerifierHead.of(lm_head, torch.arange(VD) + model.d2t))
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    for loss in ("kl", "lk_alpha", "lk_lambda"):
+        kept = saved_for_backward(model, batch, teacher, TTTSpec(4, 0.8, loss))
+        teacher_storage = teacher.draft_logits.untyped_storage().data_ptr()  # held anyway
+        assert not [t.shape for t in kept if t.dtype == torch.float32 and t.shape[-1] == VD
+                    and t.untyped_storage().data_ptr() != teacher_storage]
+    whole = saved_for_backward(model, batch, teacher, TTTSpec(4, 0.8))
+    ckpt = saved_for_backward(model, batch, teacher, TTTSpec(4, 0.8, checkpoint_steps=True))
+    assert nbytes(ckpt) < nbytes(whole) / 5, (nbytes(ckpt), nbytes(whole))
