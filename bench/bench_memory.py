@@ -1,20 +1,25 @@
 """Peak memory of one training micro-batch (teacher + TTT forward + backward): against the
 length L of its one document, and against the drafter's widths. The fits are what
-`eagle3.plan` uses to predict stage 04's per-GPU peak (`eagle3/memory.py`).
+`python -m eagle3.plan` uses to predict stage 04's per-GPU peak.
 
+    .venv/bin/python bench/bench_memory.py fit      # both sweeps, checkpointing off and on:
+                                                    # writes eagle3/memory_fit.json (~15 min)
     .venv/bin/python bench/bench_memory.py lengths [--lengths 1024,2048,4096,8192,16384]
     .venv/bin/python bench/bench_memory.py widths  [--length 2048]
-    options: --ttt 3  --autocast bf16|off  --repo PATH (measure another checkout's eagle3)
+    options: --ttt 3  --autocast bf16|off  --checkpointing  --repo PATH (another checkout)
 
 `lengths` fits peak = a + b*L + c*(heads*steps*L^2) at a reduced width that fits a 24 GB
 machine at 16k tokens: hidden 512 (also the verifier's), 4 heads x 128, MLP 1024, verifier
-vocabulary 4096, draft vocabulary 1024. `widths` holds L and varies the draft vocabulary, the
+vocabulary 16384, draft vocabulary 1024. `widths` holds L and varies the draft vocabulary, the
 hidden size, the MLP size and the heads one at a time, and fits the bytes per token and TTT
-step: peak / (L*steps) = b0 + bV*V_draft + bH*hidden + bI*intermediate + bA*heads*head_dim.
+step: (peak - teacher) / (L*steps) = b0 + bV*V_draft + bH*hidden + bI*intermediate
++ bA*heads*head_dim.
 
 Each point runs in its own subprocess under bf16 autocast with float32 master weights (what
-stage 04 runs on a GPU); gradients are allocated before the step, so the peak is the rise of
+stage 04 runs on a GPU), after one small warm-up step (the code pages and thread pools a first
+step loads are not activations); gradients exist before the step, so the peak is the rise of
 `ru_maxrss` over the resident size right before it: activations, the teacher and transients.
+A CPU allocator is not CUDA's: the fit is checked on a GPU where one is lent (bench/RESULTS.md).
 To compare with older code: `git worktree add /tmp/before REV`, then `--repo /tmp/before`.
 """
 
@@ -31,7 +36,8 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-VERIFIER_VOCAB = 4096
+FIT_FILE = REPO / "eagle3" / "memory_fit.json"
+VERIFIER_VOCAB = 16384
 BASE = {"hidden": 512, "intermediate": 1024, "draft_vocab": 1024, "heads": 4}
 
 
@@ -41,7 +47,7 @@ def rss_bytes() -> int:
 
 
 def worker(repo: str, L: int, hidden: int, intermediate: int, draft_vocab: int, heads: int,
-           ttt: int, autocast: str) -> dict:
+           ttt: int, autocast: str, checkpointing: bool) -> dict:
     sys.path.insert(0, repo)
     from eagle3.model import DraftModelConfig, Eagle3DraftModel
     from eagle3.shards import collate
@@ -62,26 +68,40 @@ def worker(repo: str, L: int, hidden: int, intermediate: int, draft_vocab: int, 
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
     head = VerifierHead.of(torch.randn(V, H) * 0.02, torch.arange(VD))
-    doc = {"input_ids": torch.randint(0, V, (L,)), "loss_mask": torch.ones(L, dtype=torch.long),
-           "aux": torch.randn(L, 3 * H), "final": torch.randn(L, H)}
-    batch = collate([doc], 1 << 30)
-    ctx = (torch.autocast("cpu", dtype=torch.bfloat16) if autocast == "bf16"
-           else contextlib.nullcontext())
-    before = rss_bytes()
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    teacher = make_teacher(batch.final, head, None, None, None)
-    with ctx:  # as stage 04's train_step: teacher outside, forward and backward inside
-        loss, _ = ttt_forward(model, batch, teacher, TTTSpec(ttt_steps=ttt, step_decay=0.8))
-        loss.backward()
+    spec = TTTSpec(ttt_steps=ttt, step_decay=0.8,
+                   **({"checkpoint_steps": True} if checkpointing else {}))  # older code: no field
+
+    def step(n: int) -> None:
+        doc = {"input_ids": torch.randint(0, V, (n,)),
+               "loss_mask": torch.ones(n, dtype=torch.long),
+               "aux": torch.randn(n, 3 * H), "final": torch.randn(n, H)}
+        batch = collate([doc], 1 << 30)
+        teacher = make_teacher(batch.final, head, None, None, None)
+        ctx = (torch.autocast("cpu", dtype=torch.bfloat16) if autocast == "bf16"
+               else contextlib.nullcontext())
+        nonlocal before, base
+        before = rss_bytes()
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        with ctx:  # as stage 04's train_step: teacher outside, forward and backward inside
+            loss, _ = ttt_forward(model, batch, teacher, spec)
+            loss.backward()
+
+    before = base = 0
+    step(64)  # code pages and thread pools the first step loads are not activations
+    step(L)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"L": L, "hidden": H, "intermediate": intermediate, "draft_vocab": VD,
-            "heads": heads, "ttt": ttt, "peak_rise_bytes": max(peak - max(before, base), 0)}
+            "heads": heads, "ttt": ttt, "checkpointing": checkpointing,
+            "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
+            "peak_rise_bytes": max(peak - max(before, base), 0)}
 
 
 def measure(args: argparse.Namespace, **point: int) -> dict:
     spec = {**BASE, **point}
     cmd = [sys.executable, __file__, "worker", "--repo", args.repo, "--ttt", str(args.ttt),
            "--autocast", args.autocast, "--point", json.dumps(spec)]
+    if args.checkpointing:
+        cmd.append("--checkpointing")
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"{spec}: {(out.stderr.strip().splitlines() or ['?'])[-1]}")
@@ -105,29 +125,58 @@ def fit_lengths(rows: list[dict]) -> dict:
 
 
 def fit_widths(rows: list[dict]) -> dict:
-    """peak / (L*steps) = b0 + bV*draft_vocab + bH*hidden + bI*intermediate
-    + bA*heads*head_dim."""
+    """(peak - teacher - weight casts) / (L*steps) = b0 + bV*draft_vocab + bH*hidden
+    + bI*intermediate + bA*heads*head_dim. Not per token and step, and added by `eagle3.plan`
+    itself: the teacher's float32 [L, draft_vocab] logits (per token) and autocast's bf16 copy
+    of the trainable weights (2 bytes per parameter)."""
     coef = lstsq([[1.0, r["draft_vocab"], r["hidden"], r["intermediate"], r["heads"] * 128]
-                  for r in rows], [r["peak_rise_bytes"] / (r["L"] * r["ttt"]) for r in rows])
-    return {"bytes_per_token_step": round(coef[0], 1),
-            "per_draft_vocab_row": round(coef[1], 3), "per_hidden_unit": round(coef[2], 3),
-            "per_intermediate_unit": round(coef[3], 3), "per_attention_unit": round(coef[4], 3)}
+                  for r in rows],
+                 [(r["peak_rise_bytes"] - 4 * r["L"] * r["draft_vocab"] - 2 * r["trainable"])
+                  / (r["L"] * r["ttt"]) for r in rows])
+    return {k: round(c, 3) for k, c in zip(
+        ("const", "draft_vocab", "hidden", "intermediate", "attention"), coef)}
+
+
+WIDTHS = [{}, {"draft_vocab": 4096}, {"draft_vocab": 8192}, {"hidden": 1024}, {"hidden": 2048},
+          {"intermediate": 4096}, {"intermediate": 8192}, {"heads": 8}, {"heads": 16}]
+
+
+def fit_file(args: argparse.Namespace) -> dict:
+    """Both fits with activation checkpointing off and on: what `eagle3.plan` reads."""
+    import datetime
+    import platform
+    out = {"measured": f"{datetime.date.today()} by bench/bench_memory.py fit on "
+                       f"{platform.machine()}, torch {torch.__version__}, "
+                       f"autocast {args.autocast}, TTT {args.ttt}"}
+    for mode in ("plain", "checkpointed"):
+        args.checkpointing = mode == "checkpointed"
+        lengths = [measure(args, L=int(x)) for x in args.lengths.split(",")]
+        widths = [measure(args, L=args.length, **p) for p in WIDTHS]
+        out[mode] = {"per_token_step": fit_widths(widths),
+                     "per_head_L2_step": fit_lengths(lengths)["bytes_per_head_L2_step"],
+                     "lengths": fit_lengths(lengths), "rows": lengths + widths}
+        print(json.dumps({mode: {k: v for k, v in out[mode].items() if k != "rows"}}),
+              flush=True)
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=["lengths", "widths", "worker"])
+    parser.add_argument("mode", choices=["fit", "lengths", "widths", "worker"])
     parser.add_argument("--lengths", default="1024,2048,4096,8192,16384")
     parser.add_argument("--length", type=int, default=2048)
     parser.add_argument("--ttt", type=int, default=3)
     parser.add_argument("--autocast", choices=["bf16", "off"], default="bf16")
+    parser.add_argument("--checkpointing", action="store_true",
+                        help="train.activation_checkpointing on")
     parser.add_argument("--repo", default=str(REPO))
     parser.add_argument("--point", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.mode == "worker":
         p = json.loads(args.point)
         print(json.dumps(worker(args.repo, p["L"], p["hidden"], p["intermediate"],
-                                p["draft_vocab"], p["heads"], args.ttt, args.autocast)))
+                                p["draft_vocab"], p["heads"], args.ttt, args.autocast,
+                                args.checkpointing)))
         return
     if args.mode == "lengths":
         rows = []
@@ -139,11 +188,11 @@ def main() -> None:
                 break
         print(json.dumps({"rows": rows, "fit": fit_lengths(rows) if len(rows) >= 3 else None}))
         return
-    L = args.length
-    points = [{}, {"draft_vocab": 4096}, {"draft_vocab": 8192}, {"hidden": 1024},
-              {"hidden": 2048}, {"intermediate": 4096}, {"intermediate": 8192}, {"heads": 8},
-              {"heads": 16}]
-    rows = [measure(args, L=L, **p) for p in points]
+    if args.mode == "fit":
+        FIT_FILE.write_text(json.dumps(fit_file(args), indent=1) + "\n")
+        print(f"wrote {FIT_FILE}")
+        return
+    rows = [measure(args, L=args.length, **p) for p in WIDTHS]
     print(json.dumps({"rows": rows, "fit": fit_widths(rows)}))
 
 

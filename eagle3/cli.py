@@ -40,8 +40,8 @@ def setup_logging() -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def _parse(description: str, argv: Optional[list[str]],
-           aliases: dict[str, str]) -> tuple[argparse.Namespace, list[str]]:
+def _parse(description: str, argv: Optional[list[str]], aliases: dict[str, str],
+           smoke: bool = False) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("config", help="pipeline YAML, e.g. configs/smollm2-135m-cpu.yaml")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
@@ -50,6 +50,10 @@ def _parse(description: str, argv: Optional[list[str]],
                        help="move this stage's output aside and start it over")
     again.add_argument("--repair", action="store_true",
                        help="rerun a finished stage over its output: redo only what is damaged")
+    if smoke:
+        again.add_argument("--smoke", action="store_true",
+                           help="one step on the longest samples: peak memory and speed; "
+                                "writes nothing")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     for flag, key in aliases.items():
         parser.add_argument(flag, dest=key.replace(".", "__"), default=None,
@@ -84,7 +88,8 @@ def _prepare(stage: Stage, args: argparse.Namespace,
 
 
 def _run(stage: Stage, run: Callable[[Stage], None], args: argparse.Namespace,
-         preflight: Optional[Callable[[Stage], None]], devices: bool) -> None:
+         preflight: Optional[Callable[[Stage], None]], devices: bool,
+         smoke: Optional[Callable[[Stage], None]]) -> None:
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed or devices:  # before any check of the inputs: a missing GPU fails at once
         dist.init(stage.cfg.train.device, stage.cfg.train.collective_timeout_min)
@@ -93,6 +98,9 @@ def _run(stage: Stage, run: Callable[[Stage], None], args: argparse.Namespace,
         if distributed:  # the other ranks wait for rank 0's checks, restart or repair
             dist.barrier()
             done = stage.check_done()
+        if getattr(args, "smoke", False) and smoke is not None:
+            smoke(stage)
+            return
         if done:
             log.info("%s is already complete in %s; nothing to do (--restart redoes it)",
                      stage.name, stage.dir)
@@ -128,17 +136,18 @@ def _disk_full_message(path: Optional[Path], stage: Optional[Stage]) -> str:
 def stage_main(number: int, run: Callable[[Stage], None], description: str,
                argv: list[str] | None = None, aliases: dict[str, str] | None = None,
                preflight: Optional[Callable[[Stage], None]] = None,
-               devices: bool = False) -> int:
+               devices: bool = False, smoke: Optional[Callable[[Stage], None]] = None) -> int:
     """Entry point of stage `number`. `aliases` maps extra `--flag VALUE` options to config keys
     (e.g. {"--finetune-from": "train.finetune_from"}); `preflight` runs the stage's own checks
     of its inputs before anything is moved or written. `devices`: the stage trains on
-    `train.device`, checked before anything else."""
-    args, overrides = _parse(description, argv, aliases or {})
+    `train.device`, checked before anything else. `smoke`: what `--smoke` runs instead of
+    the stage (after the same checks; it must write nothing)."""
+    args, overrides = _parse(description, argv, aliases or {}, smoke is not None)
     setup_logging()
     stage: Optional[Stage] = None
     try:
         stage = Stage(load_config(args.config, overrides), number)
-        _run(stage, run, args, preflight, devices)
+        _run(stage, run, args, preflight, devices, smoke)
         return 0
     except (ConfigError, StageError, dist.DeviceError) as e:
         if args.debug:

@@ -414,6 +414,9 @@ class TrainConfig:
     layers) and take the best, all scores recorded in 04_train/base_aux_measurement.json."""
     measure_samples: int = 64
     """Samples captured for `base_aux_convention=measure`."""
+    measure_max_tokens: int = 2048
+    """Tokens of each measure sample scored (its first ones): the choice between readings
+    needs a few thousand positions per reading, not thinking traces of 12k tokens each."""
     loss_on: Literal["assistant", "all"] = "assistant"
     """Training positions: `assistant` (loss_mask = 1, the answers the verifier wrote) or `all`
     (prompt tokens too, against the verifier's distribution there: more signal from the same
@@ -454,7 +457,7 @@ class TrainConfig:
         if self.collective_timeout_min <= 0:
             raise ConfigError("train.collective_timeout_min must be > 0")
         for name in ("epochs", "ttt_steps", "batch_tokens", "grad_accum", "checkpoint_every",
-                     "log_every", "measure_samples"):
+                     "log_every", "measure_samples", "measure_max_tokens"):
             _positive(f"train.{name}", getattr(self, name))
         if self.lr <= 0:
             raise ConfigError("train.lr must be > 0")
@@ -709,6 +712,9 @@ class PlanConfig:
     """Tokens per second of hidden-state extraction on the whole node, for stage 02."""
     train_tok_s_per_gpu: Optional[float] = None
     """Training tokens per second per GPU (one TTT micro-batch pass), for stage 04."""
+    gpu_memory_gb: Optional[float] = None
+    """Memory of one training GPU: the plan fails a stage-04 peak above 90% of it and names
+    the largest train.batch_tokens that fits (e.g. 180 for a B200, 141 for an H200)."""
 
     def __post_init__(self) -> None:
         _positive("plan.gpus", self.gpus)

@@ -130,8 +130,10 @@ class DocMask:
         return self._dense
 
 
-ATTENTION_CHUNK = 1024
-"""Query rows per block of `TTTAttention`: transient scores are [B, heads, chunk, L]."""
+ATTENTION_BLOCK_ELEMENTS = 1 << 26
+"""Score elements per block of `TTTAttention` (query rows x keys x heads x batch): the float32
+scores, probabilities and gradients of one block are the attention's only transients, a few
+times 256 MB however long the document or many the heads (64 heads x 12k keys: 85 rows)."""
 
 
 class TTTAttention(torch.autograd.Function):
@@ -213,9 +215,11 @@ class TTTAttention(torch.autograd.Function):
 
 def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
                   later: list[tuple[torch.Tensor, torch.Tensor]], scale: float,
-                  chunk: int = ATTENTION_CHUNK) -> torch.Tensor:
-    """`TTTAttention` over step-0 keys/values and the later steps' (k, v) `[B, h, L, d]`."""
+                  chunk: Optional[int] = None) -> torch.Tensor:
+    """`TTTAttention` over step-0 keys/values and the later steps' (k, v) `[B, h, L, d]`, in
+    blocks of `chunk` query rows (default: `ATTENTION_BLOCK_ELEMENTS` scores per block)."""
     B, h, L, d = q.shape
+    chunk = chunk or max(16, ATTENTION_BLOCK_ELEMENTS // (B * h * L))
     if later:
         kd = torch.stack([k for k, _ in later], dim=3)
         vd = torch.stack([v for _, v in later], dim=3)

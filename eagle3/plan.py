@@ -5,7 +5,8 @@
 
 Prints, per stage, the work (prompts, estimated tokens from the data and
 `generate.max_new_tokens`), the disk it writes (hidden states per storage dtype), the training
-memory per GPU (weights, gradients, AdamW moments; DDP and FSDP), the engine commands the stages
+memory per GPU (weights, gradients, AdamW moments, and the activations of one micro-batch
+from the measured fit in `memory_fit.json`; DDP and FSDP), the engine commands the stages
 will run, and hours on `plan.gpus` GPUs from the throughput figures in the `plan` section (left
 out where a figure is unset). Then the preflight checks, one verdict per line. Nothing is
 started or written. When the verifier is not on this machine, its shape comes from
@@ -86,23 +87,132 @@ def hidden_state_bytes(info: VerifierInfo, tokens: float) -> dict[str, float]:
             for dtype in STORAGE}
 
 
-def training_memory(cfg: Config, info: VerifierInfo) -> dict[str, float]:
-    """Bytes per GPU: fp32 weights + grads + AdamW moments of the trainable parameters (16 B
-    each; sharded over the GPUs under FSDP), the frozen embedding, the verifier's lm_head
-    (teacher, fp32); activations come on top."""
+MEMORY_FIT = Path(__file__).with_name("memory_fit.json")
+"""Stage 04's activation memory as measured by `bench/bench_memory.py fit` (which writes this
+file; bench/RESULTS.md "Training memory" shows the runs)."""
+GPU_HEADROOM = 0.9
+"""Of `plan.gpu_memory_gb`, what the plan lets stage 04 use: the rest is for the CUDA context,
+NCCL buffers and the caching allocator's fragmentation."""
+
+
+def activation_bytes(fit: dict[str, Any], shape: Any, steps: int, tokens: int,
+                     longest: int) -> float:
+    """Peak bytes of one micro-batch of `tokens` tokens (documents of at most `longest`) beyond
+    the model states: the fitted per-token-and-step and per-head-L^2 terms, the teacher's
+    float32 draft-vocabulary logits and the micro-batch's float32 states (both per token)."""
+    c = fit["per_token_step"]
+    per_token_step = (c["const"] + c["draft_vocab"] * shape.draft_vocab_size
+                      + c["hidden"] * shape.hidden_size + c["intermediate"]
+                      * shape.intermediate_size + c["attention"] * shape.num_attention_heads
+                      * shape.head_dim)
+    squares = tokens * min(longest, tokens)  # sum of L_doc^2 over the documents, at most
+    per_token = 4 * shape.draft_vocab_size + 4 * (shape.num_aux + 1) * shape.target_hidden_size
+    return (tokens * steps * per_token_step + fit["per_head_L2_step"]
+            * shape.num_attention_heads * steps * squares + tokens * per_token)
+
+
+def training_memory(cfg: Config, info: VerifierInfo, tokens: Optional[int] = None,
+                    longest: Optional[int] = None) -> dict[str, Any]:
+    """Bytes per GPU: model states plus the activations of one micro-batch of `tokens`
+    (default `train.batch_tokens`) whose documents have at most `longest` tokens (default
+    `data.max_seq_len`), from `MEMORY_FIT`. Model states: fp32 weights, grads and AdamW
+    moments of the trainable parameters (16 B each; sharded over the GPUs under FSDP, which
+    gathers the full fp32 weights for forward and backward, 4 B), DDP's gradient buckets (4 B),
+    autocast's bf16 weight copies (2 B), the frozen embedding and the teacher's lm_head (fp32)."""
+    import json
+
     import torch
 
     from eagle3.model import Eagle3DraftModel
     from eagle3.train import draft_model_config
 
+    tc = cfg.train
     vd = min(cfg.vocab.draft_vocab_size, info.vocab_size)
+    shape = draft_model_config(cfg, info.vocab_size, vd, info)
     with torch.device("meta"):
-        model = Eagle3DraftModel(draft_model_config(cfg, info.vocab_size, vd, info))
+        model = Eagle3DraftModel(shape)
     trainable = sum(p.numel() for n, p in model.named_parameters()
                     if not n.startswith("embed_tokens"))
     frozen = 4 * info.vocab_size * info.hidden_size * 2  # embedding + teacher head, fp32
-    return {"trainable_parameters": trainable, "ddp": 16 * trainable + frozen,
-            "fsdp": 16 * trainable / cfg.plan.gpus + frozen}
+    states = {"ddp": 22 * trainable + frozen,
+              "fsdp": 16 * trainable / cfg.plan.gpus + 6 * trainable + frozen,
+              "none": 18 * trainable + frozen}  # one process: no gradient buckets
+    out: dict[str, Any] = {"trainable_parameters": trainable, **states}
+    if not MEMORY_FIT.exists():
+        return out
+    fits = json.loads(MEMORY_FIT.read_text())
+    mode = "checkpointed" if tc.activation_checkpointing else "plain"
+    tokens = tokens or tc.batch_tokens
+    longest = min(longest or cfg.data.max_seq_len, tokens)
+    act = {m: activation_bytes(fits[m], shape, tc.ttt_steps, tokens, longest)
+           for m in ("plain", "checkpointed")}
+    out.update(activations=act[mode], activations_other=act["checkpointed" if mode == "plain"
+                                                             else "plain"],
+               checkpointing=mode == "checkpointed", fit_source=fits.get("measured", "?"))
+    out["peak"] = {k: v + act[mode] for k, v in states.items()}
+    if cfg.plan.gpu_memory_gb:
+        budget = cfg.plan.gpu_memory_gb * GB * GPU_HEADROOM
+        per_token = act[mode] / tokens  # the L^2 term only shrinks with fewer tokens
+        out["max_batch_tokens"] = {k: max(int((budget - v) / per_token), 0)
+                                   for k, v in states.items()}
+    return out
+
+
+def memory_lines(cfg: Config, mem: dict[str, Any]) -> list[str]:
+    """The plan's lines on stage 04's memory per GPU."""
+    if "activations" not in mem:
+        return [f"   activations: not predicted ({MEMORY_FIT.name} missing: run "
+                f"bench/bench_memory.py fit)"]
+    tc, other = cfg.train, "on" if not mem["checkpointing"] else "off"
+    lines = [f"   activations at train.batch_tokens={tc.batch_tokens} (documents up to "
+             f"{min(cfg.data.max_seq_len, tc.batch_tokens)} tokens), TTT {tc.ttt_steps}, "
+             f"activation checkpointing {'on' if mem['checkpointing'] else 'off'}: "
+             f"{mem['activations'] / GB:.1f} GB ({mem['activations_other'] / GB:.1f} GB with it "
+             f"{other}; fit measured {mem['fit_source']})",
+             f"   peak per GPU: {mem['peak']['ddp'] / GB:.1f} GB under DDP, "
+             f"{mem['peak']['fsdp'] / GB:.1f} GB under FSDP (train.parallel={tc.parallel})"]
+    if "max_batch_tokens" in mem:
+        lines.append(f"   largest train.batch_tokens within {GPU_HEADROOM:.0%} of "
+                     f"plan.gpu_memory_gb={cfg.plan.gpu_memory_gb:g}: "
+                     f"{mem['max_batch_tokens']['ddp']} under DDP, "
+                     f"{mem['max_batch_tokens']['fsdp']} under FSDP")
+    return lines
+
+
+def memory_verdict(cfg: Config, mem: dict[str, Any]) -> Verdict:
+    check = "stage 04 memory per GPU"
+    if not cfg.plan.gpu_memory_gb:
+        return Verdict(check, None, "plan.gpu_memory_gb unset")
+    if "peak" not in mem:
+        return Verdict(check, None, f"{MEMORY_FIT.name} missing")
+    peak = mem["peak"][cfg.train.parallel]
+    budget = cfg.plan.gpu_memory_gb * GB * GPU_HEADROOM
+    detail = (f"{peak / GB:.0f} GB predicted under {cfg.train.parallel}, "
+              f"{budget / GB:.0f} GB usable ({GPU_HEADROOM:.0%} of "
+              f"plan.gpu_memory_gb={cfg.plan.gpu_memory_gb:g})")
+    if peak <= budget:
+        return Verdict(check, True, detail)
+    fixes = [f"train.batch_tokens<={mem['max_batch_tokens'][cfg.train.parallel]}"]
+    if not mem["checkpointing"]:
+        fixes.append("train.activation_checkpointing=true")
+    if cfg.train.parallel == "ddp" and mem["peak"]["fsdp"] < peak:
+        fixes.append("train.parallel=fsdp")
+    return Verdict(check, False, f"{detail}: set {' or '.join(fixes)}")
+
+
+def gpu_verdict(cfg: Config) -> Verdict:
+    """`train.device=cuda`: this machine's torch must see the GPUs of `plan.gpus`."""
+    import torch
+
+    from eagle3.dist import cuda_shortfall
+    check = "GPUs for stage 04"
+    if cfg.train.device != "cuda":
+        return Verdict(check, None, f"train.device={cfg.train.device}")
+    why = cuda_shortfall(cfg.plan.gpus)
+    if why:
+        return Verdict(check, False, f"plan.gpus={cfg.plan.gpus}: {why}")
+    return Verdict(check, True, f"{torch.cuda.device_count()} visible, plan.gpus="
+                                f"{cfg.plan.gpus}, torch {torch.__version__}")
 
 
 def engine_commands(cfg: Config) -> dict[str, list[str]]:
@@ -185,6 +295,7 @@ def preflight(cfg: Config, needed_bytes: float) -> list[Verdict]:
                                     found or "not found"))
         else:
             verdicts.append(_engine_version(server.python or sys.executable, module))
+    verdicts.append(gpu_verdict(cfg))
     verdicts += [Verdict(*v) for v in cpu_verdicts(cfg)]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -281,17 +392,19 @@ def render_plan(cfg: Config) -> str:
     for dtype, nbytes in disk.items():
         lines.append(f"   hidden states as {dtype}: ~{nbytes / 1e12:.2f} TB (at most "
                      f"{disk_max[dtype] / 1e12:.2f} TB)")
-    lines += [f"04 train: {mem['trainable_parameters'] / 1e9:.2f}B trainable parameters; per "
-              f"GPU {mem['ddp'] / GB:.1f} GB under DDP, {mem['fsdp'] / GB:.1f} GB under FSDP over "
-              f"{p.gpus} GPUs (+ activations); {cfg.train.epochs} epochs ~"
+    lines += [f"04 train: {mem['trainable_parameters'] / 1e9:.2f}B trainable parameters; model "
+              f"states per GPU {mem['ddp'] / GB:.1f} GB under DDP, {mem['fsdp'] / GB:.1f} GB under "
+              f"FSDP over {p.gpus} GPUs; {cfg.train.epochs} epochs ~"
               f"{train_tokens / 1e6:.1f}M tokens: "
               f"{_hours(train_tokens, (p.train_tok_s_per_gpu or 0) * p.gpus)}",
+              *memory_lines(cfg, mem),
               f"   checkpoints: ~{mem['trainable_parameters'] * 16 * (cfg.train.keep + 1) / GB:.0f}"
               f" GB ({cfg.train.keep} kept + best, weights and AdamW moments)"]
     lines += _proposals(cfg, disk, d)
     lines += ["", "engine commands (port numbers are chosen at run time):"]
     lines += [f"  {name}: {' '.join(cmd)}" for name, cmd in engine_commands(cfg).items()]
-    lines += ["", "preflight:"] + [v.line() for v in preflight(cfg, disk[cfg.hidden_states.dtype])]
+    lines += ["", "preflight:"] + [v.line() for v in preflight(cfg, disk[cfg.hidden_states.dtype])
+                                   + [memory_verdict(cfg, mem)]]
     return "\n".join(lines)
 
 

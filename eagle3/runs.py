@@ -110,9 +110,11 @@ STAGES: dict[int, StageSpec] = {
                                           if c.train.finetune_from else None)}),
     4: StageSpec("04_train", "04_train.py", (2, 3), {
         "draft": None,
-        # How often to log, how many checkpoints to keep and DDP vs FSDP change no weight.
+        # How often to log, how many checkpoints to keep, DDP vs FSDP, recomputing activations
+        # and the device checks change no weight.
         "train": _without("train", "log_every", "keep", "tensorboard", "parallel",
-                          "estimate_temperature")}),
+                          "estimate_temperature", "activation_checkpointing", "device",
+                          "collective_timeout_min")}),
     5: StageSpec("05_export", "05_fix_keys.py", (4,), {"export": None},
                  resume_on_change=True),
     6: StageSpec("06_bench", "06_deploy_and_bench.py", (5,), {"bench": None},

@@ -17,9 +17,11 @@ the last good checkpoint; nothing non-finite is ever saved.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import math
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -33,7 +35,8 @@ from eagle3 import checkpoint as ckpt
 from eagle3.config import Config, VerifierInfo
 from eagle3.formats import ExportContext, speculators_config
 from eagle3.model import DraftModelConfig, Eagle3DraftModel
-from eagle3.runs import Stage, StageError, atomic_write_json, atomic_write_text, clean_stale_tmp
+from eagle3.runs import (Stage, StageError, atomic_write_json, atomic_write_text,
+                         clean_stale_tmp, is_rank0)
 from eagle3.shards import HiddenStates, pack
 from eagle3.teacher import TeacherCache, VerifierHead
 from eagle3.ttt import StepStats, TTTObjective, TTTSpec, prepare_batch, ttt_forward
@@ -166,7 +169,8 @@ def init_from_verifier_layer(model: Eagle3DraftModel, verifier: Path, info: Veri
 
 
 def build_finetune_model(stage: Stage, d2t: torch.Tensor, t2d: torch.Tensor,
-                         verifier_lm_head: torch.Tensor) -> tuple[Eagle3DraftModel, dict]:
+                         verifier_lm_head: torch.Tensor, device: torch.device
+                         ) -> tuple[Eagle3DraftModel, dict]:
     """The drafter at `train.finetune_from`, keys remapped and every tensor, the vocabulary map
     and the aux ids checked against ours; the base's attention geometry wins (ours is only
     derived). On resume the same model is rebuilt, then the step checkpoint is loaded."""
@@ -181,7 +185,7 @@ def build_finetune_model(stage: Stage, d2t: torch.Tensor, t2d: torch.Tensor,
             if cfg.vocab.allow_remap else None)
     model = Eagle3DraftModel(dcfg)
     model.load_state_dict(base_drafter.base_state_dict(base, embed, d2t, t2d, head))
-    ids, convention = _base_aux_ids(stage, base, model, verifier_lm_head)
+    ids, convention = _base_aux_ids(stage, base, model, verifier_lm_head, device)
     ours = list(cfg.verifier_info.aux_layer_ids)
     if ids is not None and list(ids) != ours:
         raise StageError(f"base drafter {base.path} was trained on aux ids {base.aux_layer_ids} "
@@ -197,7 +201,8 @@ def build_finetune_model(stage: Stage, d2t: torch.Tensor, t2d: torch.Tensor,
 
 
 def _base_aux_ids(stage: Stage, base: base_drafter.BaseDrafter, model: Eagle3DraftModel,
-                  lm_head: torch.Tensor) -> tuple[Optional[list[int]], str]:
+                  lm_head: torch.Tensor, device: torch.device
+                  ) -> tuple[Optional[list[int]], str]:
     """(HF indices the base was trained on, how they were read), per
     `train.base_aux_convention`."""
     cfg = stage.cfg
@@ -208,7 +213,14 @@ def _base_aux_ids(stage: Stage, base: base_drafter.BaseDrafter, model: Eagle3Dra
         return base.aux_ids_internal(cfg.verifier_info.architecture), "as its engine reads them"
     if convention != "measure":
         return [i + base_drafter.CONVENTIONS[convention] for i in base.aux_layer_ids], convention
-    scores = measure_base(stage, base, model, lm_head)
+    key = _measurement_key(stage, base)
+    record = stage.dir / "base_aux_measurement.json"
+    saved = json.loads(record.read_text()) if record.exists() else {}
+    if saved.get("key") == key:  # a resume: the same base on the same measure set
+        scores = saved["scores"]
+        log.info("base aux convention: reusing the measurement in %s", record)
+    else:
+        scores = measure_base(stage, base, model, lm_head, device)
     best = max(scores, key=lambda name: scores[name]["est_accept_len"])
     # Only a clear difference overrules how the base's own engine reads its ids: layers close
     # to each other can score alike (a random or very shallow verifier).
@@ -217,9 +229,12 @@ def _base_aux_ids(stage: Stage, base: base_drafter.BaseDrafter, model: Eagle3Dra
     tie = engine is not None and scores[best]["est_accept_len"] - \
         scores[engine]["est_accept_len"] <= MEASURE_MARGIN
     chosen = engine if tie else best
-    atomic_write_json(stage.dir / "base_aux_measurement.json",
-                      {"base": str(base.path), "written": base.aux_layer_ids, "chosen": chosen,
-                       "engine_reading": engine, "margin": MEASURE_MARGIN, "scores": scores})
+    if is_rank0() and saved.get("key") != key:
+        stage.dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(record, {"key": key, "base": str(base.path),
+                                   "written": base.aux_layer_ids, "chosen": chosen,
+                                   "engine_reading": engine, "margin": MEASURE_MARGIN,
+                                   "scores": scores})
     log.info("base aux convention measured: %s", ", ".join(
         f"{n} {s['aux_layer_ids']}: est_len {s['est_accept_len']:.3f}" for n, s in scores.items()))
     how = (f"measured: {chosen} (within {MEASURE_MARGIN} of the best, as its engine reads it)"
@@ -231,32 +246,53 @@ MEASURE_MARGIN = 0.01
 """Estimated acceptance length by which a reading must beat the engine's to be chosen."""
 
 
+def _measurement_key(stage: Stage, base: base_drafter.BaseDrafter) -> dict[str, Any]:
+    """What a measurement depends on: the base (its config and files), the measure set (stage
+    02's manifest) and how much of it is scored."""
+    files = sorted([f.name, f.stat().st_size] for f in Path(base.path).iterdir() if f.is_file())
+    config = Path(base.path) / "config.json"
+    return {"base": str(Path(base.path).resolve()), "files": files,
+            "config_sha256": hashlib.sha256(config.read_bytes()).hexdigest()
+            if config.exists() else None,
+            "measure_set": stage.upstream_hash(2), "ttt_steps": stage.cfg.train.ttt_steps,
+            "max_tokens": stage.cfg.train.measure_max_tokens}
+
+
 @torch.no_grad()
 def measure_base(stage: Stage, base: base_drafter.BaseDrafter, model: Eagle3DraftModel,
-                 lm_head: torch.Tensor) -> dict[str, dict[str, Any]]:
+                 lm_head: torch.Tensor, device: torch.device) -> dict[str, dict[str, Any]]:
     """Score the base (as loaded, before any training) on stage 02's measure set under each
-    reading of its written aux ids: the reading it was trained with predicts the verifier."""
+    reading of its written aux ids: the reading it was trained with predicts the verifier.
+    Runs on the training device, each rank on its share of the samples (the counts are summed
+    over ranks, so every rank gets the same scores), `train.measure_max_tokens` per sample."""
     from eagle3.hidden_states import MEASURE_DIR
 
     cfg, tc = stage.cfg, stage.cfg.train
     data = HiddenStates(stage.upstream(2).dir / MEASURE_DIR)
     hidden = data.hidden_size
-    head = VerifierHead.of(lm_head, torch.arange(len(model.d2t)) + model.d2t)
+    model.to(device)
+    head = VerifierHead.of(lm_head.to(device), torch.arange(len(model.d2t), device=device)
+                           + model.d2t)
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    readings = base_drafter.candidate_aux_ids(base.aux_layer_ids,
+                                              cfg.verifier_info.num_hidden_layers)
+    dist.log0("measuring which layers the base's aux ids %s mean: %d readings x %d samples "
+              "(<= %d tokens each) on %s over %d rank(s)", base.aux_layer_ids, len(readings),
+              len(data), tc.measure_max_tokens, device, world)
     scores = {}
-    for name, ids in base_drafter.candidate_aux_ids(
-            base.aux_layer_ids, cfg.verifier_info.num_hidden_layers).items():
+    for name, ids in readings.items():
         cols = torch.cat([torch.arange(data.aux_layer_ids.index(j) * hidden,
                                        (data.aux_layer_ids.index(j) + 1) * hidden)
                           for j in ids])
         stats = StepStats.zeros(tc.ttt_steps)
-        for i in range(len(data)):
+        for i in range(rank, len(data), world):
             sample = data[i]
             sample["aux"] = sample["aux"][:, cols]
-            batch, teacher = prepare_batch([sample], max(data.num_tokens(i), 1),
-                                           torch.device("cpu"), torch.float32, head)
+            budget = max(min(data.num_tokens(i), tc.measure_max_tokens), 1)
+            batch, teacher = prepare_batch([sample], budget, device, torch.float32, head)
             # metrics only, which no loss setting changes: the plain spec
             stats.add(ttt_forward(model, batch, teacher, TTTSpec(tc.ttt_steps, tc.step_decay))[1])
-        scores[name] = {"aux_layer_ids": ids, **stats.metrics()}
+        scores[name] = {"aux_layer_ids": ids, **stats.summed().metrics()}
     return scores
 
 
@@ -367,7 +403,7 @@ def setup(stage: Stage) -> Trainer:
     total = min(total, tc.max_steps) if tc.max_steps is not None else total
     base_info: dict[str, Any] = {}
     if tc.finetune_from:
-        model, base_info = build_finetune_model(stage, d2t, t2d, lm_head.cpu())
+        model, base_info = build_finetune_model(stage, d2t, t2d, lm_head.cpu(), ctx.device)
     else:
         model = build_model(cfg, d2t, t2d, lm_head.cpu())
     model = model.to(ctx.device)
@@ -435,6 +471,55 @@ def preflight(stage: Stage) -> None:
         raise StageError(f"train.finetune_from: {cfg.train.finetune_from} is not a directory "
                          f"(give the base drafter's checkpoint folder)")
     read_tensor(cfg.verifier_path, "embed")
+
+
+def smoke(stage: Stage) -> None:
+    """`04_train.py --smoke`: the run's setup, then two optimizer steps on one micro-batch per
+    rank packed from the longest training samples (the heaviest micro-batch the run will see):
+    peak memory next to the plan's prediction, and tokens/s of the second step. No checkpoint,
+    metric or manifest is written; the weights are dropped."""
+    import resource
+
+    from eagle3.plan import GB, training_memory
+
+    t = setup(stage)
+    tc, ctx = t.tc, t.ctx
+    group, tokens = [], 0
+    for i in sorted(t.train_idx, key=lambda i: -t.lengths[i]):
+        n = min(t.lengths[i], tc.batch_tokens)
+        if tokens + n <= tc.batch_tokens:
+            group.append(i)
+            tokens += n
+    longest = min(t.lengths[group[0]], tc.batch_tokens)
+    cuda = ctx.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    rates = []
+    for _ in range(2):  # the first step allocates AdamW's moments and warms the kernels up
+        if cuda:
+            torch.cuda.synchronize(ctx.device)
+        started = time.time()
+        train_step(t, [group] * ctx.world_size)
+        if cuda:
+            torch.cuda.synchronize(ctx.device)
+        rates.append(tokens / max(time.time() - started, 1e-9))
+    if cuda:
+        peak = torch.cuda.max_memory_allocated(ctx.device)
+        where = (f"{peak / GB:.1f} GB allocated at most on {ctx.device} "
+                 f"({torch.cuda.max_memory_reserved(ctx.device) / GB:.1f} GB reserved)")
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        where = f"{peak / GB:.2f} GB peak resident size of the process (CPU)"
+    peaks = dist.all_reduce_sum([peak if r == ctx.rank else 0.0 for r in range(ctx.world_size)])
+    mem = training_memory(stage.cfg, stage.cfg.verifier_info, tokens, longest)
+    predicted = (f"; the plan predicts {mem['peak'][t.parallel] / GB:.1f} GB for this "
+                 f"micro-batch on a GPU (bf16 fit of {mem['fit_source']})"
+                 if "peak" in mem else "")
+    log.info("smoke: %d samples, %d tokens (longest %d), TTT %d: %s%s; %.0f tokens/s per "
+             "process in the second step; peak over ranks %.2f GB; nothing written",
+             len(group), tokens, longest, tc.ttt_steps, where, predicted, rates[-1],
+             max(peaks) / GB)
+    dist.destroy()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -77,3 +77,41 @@ def test_the_measured_reading_fine_tunes(base, tmp_path, tiny_verifier):
     info = Stage(cfg, 4).manifest()["finetune_from"]
     assert info["aux_convention"] == "measured best: plus_one"
     assert info["aux_layer_ids"] == [2, 3, 4] and info["aux_layer_ids_as_written"] == [1, 2, 3]
+
+
+def test_two_ranks_measure_once_across_a_kill_and_resume(base, tmp_path, tiny_verifier):
+    """The measurement is split over the ranks (every rank gets the same scores), cached in the
+    run keyed by the base and the measure set, and reused when the run resumes after kill -9."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    from test_train_resume import torchrun, wait_for
+
+    base_cfg, base_dir = base
+    cfg = finetune_run(tmp_path, tiny_verifier, base_cfg, base_dir, aux=[2, 3, 4])
+    args = ("train.epochs=8", "train.checkpoint_every=2", "train.measure_max_tokens=40")
+    log = tmp_path / "first.log"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                             "2", "--master_port", "29577", "04_train.py", cfg.source, *args],
+                            cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    wait_for(Stage(cfg, 4).dir / "step-2", proc, log)
+    os.killpg(proc.pid, signal.SIGKILL)
+    subprocess.run(["pkill", "-KILL", "-f", cfg.source])
+    proc.wait()
+    first = log.read_text()
+    assert first.count("measuring which layers the base's aux ids") == 1, first[-3000:]
+    assert "2 rank(s)" in first and "<= 40 tokens each" in first
+    out = torchrun(cfg, *args, port=29587)
+    second = out.stdout + out.stderr
+    assert "resumed from step-" in second, second[-3000:]
+    assert "measuring which layers" not in second and "reusing the measurement" in second
+    info = Stage(cfg, 4).manifest()["finetune_from"]
+    assert info["aux_convention"] == "measured best: plus_one"
+    # the cache key names what the scores depend on: the cap and the measure set among them
+    key = json.loads((Stage(cfg, 4).dir / "base_aux_measurement.json").read_text())["key"]
+    assert key["max_tokens"] == 40 and key["measure_set"]

@@ -27,3 +27,57 @@ def test_tokenizer_verdict_tells_dropped_reasoning_from_none(tmp_path, tiny_veri
     assert verdict.ok is ok, verdict.detail
     if ok is False:
         assert "verifier.chat_template" in verdict.detail
+
+
+FIT = {"per_token_step": {"const": 1000.0, "draft_vocab": 10.0, "hidden": 40.0,
+                          "intermediate": 8.0, "attention": 20.0}, "per_head_L2_step": 0.0}
+
+
+@pytest.fixture
+def memory_fit(tmp_path, monkeypatch):
+    import json
+
+    import eagle3.plan as plan
+    fit = {"measured": "a test fit", "plain": FIT,
+           "checkpointed": {**FIT, "per_token_step": {k: v / 4 for k, v in
+                                                      FIT["per_token_step"].items()}}}
+    (tmp_path / "fit.json").write_text(json.dumps(fit))
+    monkeypatch.setattr(plan, "MEMORY_FIT", tmp_path / "fit.json")
+
+
+def test_training_memory_adds_activations_and_names_what_fits(tmp_path, tiny_verifier,
+                                                              memory_fit):
+    """Per-GPU peak = model states + the fitted activations of one micro-batch; above 90% of
+    plan.gpu_memory_gb the verdict fails and names the largest batch_tokens that fits, and
+    checkpointing or FSDP where they would help."""
+    from eagle3.plan import memory_lines, memory_verdict, training_memory
+
+    def plan(**train):
+        cfg = make_config(tmp_path, tiny_verifier, train={"batch_tokens": 4096, **train},
+                          plan={"gpu_memory_gb": 0.05})
+        return cfg, training_memory(cfg, cfg.verifier_info)
+
+    cfg, mem = plan()
+    small_cfg, small = plan(batch_tokens=1024)
+    ckpt_cfg, ckpt = plan(activation_checkpointing=True)
+    assert mem["peak"]["ddp"] == mem["ddp"] + mem["activations"]
+    assert 3.9 < mem["activations"] / small["activations"] <= 4.0  # linear in tokens
+    assert ckpt["activations"] < mem["activations"] / 2 and ckpt["checkpointing"]
+    assert ckpt["activations_other"] == mem["activations"]
+    verdict = memory_verdict(cfg, mem)
+    budget = 0.9 * 0.05e9
+    assert mem["ddp"] < budget < mem["peak"]["ddp"], (mem["ddp"], mem["peak"])  # the case
+    assert verdict.ok is False
+    fits = mem["max_batch_tokens"]["ddp"]
+    assert 0 < fits < 4096 and f"train.batch_tokens<={fits}" in verdict.detail
+    assert "train.activation_checkpointing=true" in verdict.detail
+    _, at_fit = plan(batch_tokens=fits)
+    assert at_fit["peak"]["ddp"] <= budget
+    assert memory_verdict(ckpt_cfg, ckpt).ok is (ckpt["peak"]["ddp"] <= budget)
+    assert any("peak per GPU" in line for line in memory_lines(cfg, mem))
+
+
+def test_memory_verdict_is_a_skip_without_a_gpu_size(tmp_path, tiny_verifier, memory_fit):
+    from eagle3.plan import memory_verdict, training_memory
+    cfg = make_config(tmp_path, tiny_verifier)
+    assert memory_verdict(cfg, training_memory(cfg, cfg.verifier_info)).ok is None

@@ -290,3 +290,24 @@ def test_bf16_autocast_on_cpu(prepared, tmp_path):
         [r["loss"] for r in metrics(fp32)], rel=0.01)
     w = load_file(find_latest(Stage(bf16, 4).dir) / "model.safetensors")
     assert w["fc.weight"].dtype == torch.float32
+
+
+def test_smoke_runs_two_steps_on_the_longest_samples_and_writes_nothing(prepared, tmp_path):
+    """`04_train.py --smoke`: peak memory and speed of the heaviest micro-batch, no checkpoint,
+    metric or manifest; the real run afterwards starts from step 0."""
+    c = copy_run(prepared, tmp_path / "smoke")
+    out = run_script("04_train.py", c, "--smoke")
+    text = out.stdout + out.stderr
+    line = next(x for x in text.splitlines() if "smoke:" in x)
+    from eagle3.shards import HiddenStates
+    from eagle3.train import split_indices
+    data = HiddenStates(Stage(c, 2).dir)
+    train_idx, _ = split_indices(data.ids, c.train.val_fraction, c.train.seed)
+    longest = min(max(data.num_tokens(i) for i in train_idx), c.train.batch_tokens)
+    assert f"(longest {longest})" in line, line
+    assert "peak resident size" in line and "tokens/s" in line
+    assert "nothing written" in line
+    train_dir = Stage(c, 4).dir
+    assert not step_dirs(train_dir) and not (train_dir / "manifest.json").exists()
+    assert not (train_dir / "metrics.jsonl").exists()
+    assert Stage(c, 4).check_done() is False
