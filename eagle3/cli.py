@@ -93,10 +93,14 @@ def _run(stage: Stage, run: Callable[[Stage], None], args: argparse.Namespace,
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed or devices:  # before any check of the inputs: a missing GPU fails at once
         dist.init(stage.cfg.train.device, stage.cfg.train.collective_timeout_min)
+    stage.hash_by_ranks = distributed
     with stage.lock() if is_rank0() else _no_lock():
         done = _prepare(stage, args, preflight) if is_rank0() else False
         if distributed:  # the other ranks wait for rank 0's checks, restart or repair
             dist.barrier()
+            # then all of them hash the upstream files, each its share
+            stage.verify_upstream_by_ranks(int(os.environ.get("RANK", "0")),
+                                           int(os.environ["WORLD_SIZE"]), dist.gather_objects)
             done = stage.check_done()
         if getattr(args, "smoke", False) and smoke is not None:
             smoke(stage)

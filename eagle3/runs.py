@@ -342,6 +342,10 @@ class Stage:
     number: int
     needs_bytes: Optional[int] = None
     """Disk this stage still has to write, when known (quoted if the disk fills up)."""
+    hash_by_ranks: bool = False
+    """Under torchrun: `require` checks upstream sizes only, and `verify_upstream_by_ranks`
+    then hashes the files split over the ranks, so that no rank waits while one hashes
+    terabytes of hidden states."""
     _verified: set[int] = field(default_factory=set, repr=False)
 
     @property
@@ -386,9 +390,10 @@ class Stage:
             return ["(the manifest predates config tracking)"]
         return config_changes(manifest["depends_on"], depends_on(self.cfg, self.number))
 
-    def damage(self, manifest: dict[str, Any]) -> list[str]:
-        """Files of this stage's finished output that no longer match the manifest."""
-        return verify_files(self.dir, manifest.get("files", {}), self.cfg.run.verify)
+    def damage(self, manifest: dict[str, Any], mode: Optional[str] = None) -> list[str]:
+        """Files of this stage's finished output that no longer match the manifest (checked
+        as `mode` says, default `run.verify`)."""
+        return verify_files(self.dir, manifest.get("files", {}), mode or self.cfg.run.verify)
 
     def require(self, number: int) -> dict[str, Any]:
         """Upstream stage `number`'s manifest, checked: complete, made with this config, files
@@ -405,13 +410,29 @@ class Stage:
             raise StageError(f"{up.name} was made with another config ({changes[0]}{more}): "
                              f"rerun `{fix}`, or fix the config")
         if number not in self._verified and is_rank0():
-            damaged = up.damage(manifest)
-            if damaged:
-                raise StageError(f"{up.name} is damaged ({len(damaged)} file(s); first: "
-                                 f"{damaged[0]}): run `{up.command('--repair')}` to redo only "
-                                 f"what is damaged")
-            self._verified.add(number)
+            up.raise_damage(up.damage(manifest, "size" if self.hash_by_ranks else None))
+            if not self.hash_by_ranks:
+                self._verified.add(number)
         return manifest
+
+    def raise_damage(self, damaged: list[str]) -> None:
+        if damaged:
+            raise StageError(f"{self.name} is damaged ({len(damaged)} file(s); first: "
+                             f"{damaged[0]}): run `{self.command('--repair')}` to redo only "
+                             f"what is damaged")
+
+    def verify_upstream_by_ranks(self, rank: int, world: int,
+                                 gather: Callable[[Any], list[Any]]) -> None:
+        """Each rank hashes every world-th file of each upstream stage (a collective through
+        `gather`); damage found by any rank stops every rank with the same line."""
+        for number in self.spec.upstream:
+            if number in self._verified:
+                continue
+            up = self.upstream(number)
+            records = sorted(up.manifest().get("files", {}).items())
+            mine = verify_files(up.dir, dict(records[rank::world]), self.cfg.run.verify)
+            up.raise_damage(sorted(d for part in gather(mine) for d in part))
+            self._verified.add(number)
 
     def upstream_hash(self, number: int) -> str:
         return file_sha256(self.upstream(number).manifest_path)

@@ -229,9 +229,9 @@ def step_loss(spec: TTTSpec, logits: torch.Tensor, teacher_logits: torch.Tensor,
     of every loss, as for KL).
 
     Memory: the loss runs over `chunk` token rows at a time under activation checkpointing, so
-    backward keeps only the step's logits, never a float32 [T, V_d] softmax; at Kimi's draft
-    vocabulary that is ~17 bytes per vocabulary row, token and TTT step saved (issue 28's
-    probe), about 60 GB for a 16k-token micro-batch at TTT 7."""
+    backward keeps only the step's logits, never a float32 [T, V_d] softmax (keeping them cost
+    ~17 bytes per draft-vocabulary row, token and TTT step: about 60 GB for a 16k-token Kimi
+    micro-batch at TTT 7; bench/RESULTS.md "Training memory")."""
     if spec.loss not in LOSSES:
         raise ValueError(f"unknown TTT loss {spec.loss!r}: one of {', '.join(LOSSES)}")
     T, chunk = logits.shape[1], chunk or LOSS_CHUNK

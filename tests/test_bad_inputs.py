@@ -302,3 +302,25 @@ def test_cuda_preflight_counts_the_gpus_per_local_rank(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     with pytest.raises(dist.DeviceError, match="train.device=cuda, but"):
         dist.init("cuda")
+
+
+def test_two_ranks_hash_the_upstream_files_split_between_them(prepared, tmp_path):
+    """Under torchrun every rank hashes its share of stage 02's files (no rank idles in a
+    barrier while rank 0 hashes them all): a bit flip in a file of rank 1's share stops the
+    job with the same one line as a single process gives."""
+    cfg = copy_run(prepared, tmp_path)
+    records = sorted(Stage(cfg, 2).manifest()["files"])
+    name = records[1]  # every second file is rank 1's
+    path = Stage(cfg, 2).dir / name
+    damaged = bytearray(path.read_bytes())
+    damaged[len(damaged) // 2] ^= 0x55  # same size: only a hash sees it
+    path.write_bytes(bytes(damaged))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                          "2", "--master_port", "29597", "04_train.py", cfg.source], cwd=REPO,
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode != 0
+    lines = [x for x in out.stderr.splitlines() if x.startswith("error: ")]
+    assert lines and all(x == lines[0] for x in lines), out.stderr[-3000:]
+    assert "02_hidden_states is damaged" in lines[0] and name in lines[0], lines[0]
+    assert not (Stage(cfg, 4).dir / "manifest.json").exists()
