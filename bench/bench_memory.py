@@ -2,18 +2,17 @@
 length L of its one document, and against the drafter's widths. The fits are what
 `python -m eagle3.plan` uses to predict stage 04's per-GPU peak.
 
-    .venv/bin/python bench/bench_memory.py fit      # both sweeps, checkpointing off and on:
-                                                    # writes eagle3/memory_fit.json (~15 min)
+    .venv/bin/python bench/bench_memory.py fit      # widths + long lengths, checkpointing off
+                                                    # and on: eagle3/memory_fit.json (~15 min)
     .venv/bin/python bench/bench_memory.py lengths [--lengths 1024,2048,4096,8192,16384]
-    .venv/bin/python bench/bench_memory.py widths  [--length 2048]
+    .venv/bin/python bench/bench_memory.py widths  [--length 4096]
     options: --ttt 3  --autocast bf16|off  --checkpointing  --repo PATH (another checkout)
 
 `lengths` fits peak = a + b*L + c*(heads*steps*L^2) at a reduced width that fits a 24 GB
 machine at 16k tokens: hidden 512 (also the verifier's), 4 heads x 128, MLP 1024, verifier
 vocabulary 16384, draft vocabulary 1024. `widths` holds L and varies the draft vocabulary, the
-hidden size, the MLP size and the heads one at a time, and fits the bytes per token and TTT
-step: (peak - teacher) / (L*steps) = b0 + bV*V_draft + bH*hidden + bI*intermediate
-+ bA*heads*head_dim.
+hidden size, the MLP size and the heads one at a time; `fit` adds longer documents and fits a
+constant transient plus bytes per token and TTT step (`fit_widths`).
 
 Each point runs in its own subprocess under bf16 autocast with float32 master weights (what
 stage 04 runs on a GPU), after one small warm-up step (the code pages and thread pools a first
@@ -125,24 +124,33 @@ def fit_lengths(rows: list[dict]) -> dict:
 
 
 def fit_widths(rows: list[dict]) -> dict:
-    """(peak - teacher - weight casts) / (L*steps) = b0 + bV*draft_vocab + bH*hidden
-    + bI*intermediate + bA*heads*head_dim. Not per token and step, and added by `eagle3.plan`
-    itself: the teacher's float32 [L, draft_vocab] logits (per token) and autocast's bf16 copy
-    of the trainable weights (2 bytes per parameter)."""
-    coef = lstsq([[1.0, r["draft_vocab"], r["hidden"], r["intermediate"], r["heads"] * 128]
-                  for r in rows],
-                 [(r["peak_rise_bytes"] - 4 * r["L"] * r["draft_vocab"] - 2 * r["trainable"])
-                  / (r["L"] * r["ttt"]) for r in rows])
-    return {k: round(c, 3) for k, c in zip(
-        ("const", "draft_vocab", "hidden", "intermediate", "attention"), coef)}
+    """peak - weight casts = transient + L*steps*(b0 + bV*draft_vocab + bH*hidden
+    + bI*intermediate + bA*heads*head_dim), over points whose attention blocks are full (the
+    transient, a few float32 blocks of `ATTENTION_BLOCK_ELEMENTS` scores, is then one constant
+    whatever L and the heads). Not measured here, and added by `eagle3.plan` itself: the batch
+    and the teacher (built before the step) and autocast's bf16 copy of the trainable weights
+    (2 bytes per parameter, subtracted here)."""
+    X = [[1.0] + [r["L"] * r["ttt"] * w for w in
+                  (1.0, r["draft_vocab"], r["hidden"], r["intermediate"], r["heads"] * 128)]
+         for r in rows]
+    y = [r["peak_rise_bytes"] - 2 * r["trainable"] for r in rows]
+    coef = lstsq(X, y)
+    fit = {"transient_bytes": round(coef[0]), "per_token_step": {k: round(c, 3) for k, c in zip(
+        ("const", "draft_vocab", "hidden", "intermediate", "attention"), coef[1:])}}
+    predicted = [sum(a * b for a, b in zip(x, coef)) for x in X]
+    fit["max_relative_residual"] = round(max(abs(p - v) / v for p, v in zip(predicted, y)), 4)
+    return fit
 
 
 WIDTHS = [{}, {"draft_vocab": 4096}, {"draft_vocab": 8192}, {"hidden": 1024}, {"hidden": 2048},
           {"intermediate": 4096}, {"intermediate": 8192}, {"heads": 8}, {"heads": 16}]
+FIT_LENGTHS = (8192, 16384)
+"""Lengths added to the width points (at --length 4096) in `fit`: at 4 heads and 4096 tokens
+and beyond, the attention's blocks are full."""
 
 
 def fit_file(args: argparse.Namespace) -> dict:
-    """Both fits with activation checkpointing off and on: what `eagle3.plan` reads."""
+    """The fit with activation checkpointing off and on: what `eagle3.plan` reads."""
     import datetime
     import platform
     out = {"measured": f"{datetime.date.today()} by bench/bench_memory.py fit on "
@@ -150,11 +158,9 @@ def fit_file(args: argparse.Namespace) -> dict:
                        f"autocast {args.autocast}, TTT {args.ttt}"}
     for mode in ("plain", "checkpointed"):
         args.checkpointing = mode == "checkpointed"
-        lengths = [measure(args, L=int(x)) for x in args.lengths.split(",")]
-        widths = [measure(args, L=args.length, **p) for p in WIDTHS]
-        out[mode] = {"per_token_step": fit_widths(widths),
-                     "per_head_L2_step": fit_lengths(lengths)["bytes_per_head_L2_step"],
-                     "lengths": fit_lengths(lengths), "rows": lengths + widths}
+        rows = [measure(args, L=args.length, **p) for p in WIDTHS]
+        rows += [measure(args, L=L) for L in FIT_LENGTHS]
+        out[mode] = {**fit_widths(rows), "rows": rows}
         print(json.dumps({mode: {k: v for k, v in out[mode].items() if k != "rows"}}),
               flush=True)
     return out
@@ -162,9 +168,9 @@ def fit_file(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=["fit", "lengths", "widths", "worker"])
+    parser.add_argument("mode", choices=["fit", "refit", "lengths", "widths", "worker"])
     parser.add_argument("--lengths", default="1024,2048,4096,8192,16384")
-    parser.add_argument("--length", type=int, default=2048)
+    parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--ttt", type=int, default=3)
     parser.add_argument("--autocast", choices=["bf16", "off"], default="bf16")
     parser.add_argument("--checkpointing", action="store_true",
@@ -191,6 +197,14 @@ def main() -> None:
     if args.mode == "fit":
         FIT_FILE.write_text(json.dumps(fit_file(args), indent=1) + "\n")
         print(f"wrote {FIT_FILE}")
+        return
+    if args.mode == "refit":  # the fit again from the rows the file holds
+        saved = json.loads(FIT_FILE.read_text())
+        for mode in ("plain", "checkpointed"):
+            saved[mode] = {**fit_widths(saved[mode]["rows"]), "rows": saved[mode]["rows"]}
+        FIT_FILE.write_text(json.dumps(saved, indent=1) + "\n")
+        print(json.dumps({m: {k: v for k, v in saved[m].items() if k != "rows"}
+                          for m in ("plain", "checkpointed")}, indent=1))
         return
     rows = [measure(args, L=args.length, **p) for p in WIDTHS]
     print(json.dumps({"rows": rows, "fit": fit_widths(rows)}))

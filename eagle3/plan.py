@@ -95,27 +95,24 @@ GPU_HEADROOM = 0.9
 NCCL buffers and the caching allocator's fragmentation."""
 
 
-def activation_bytes(fit: dict[str, Any], shape: Any, steps: int, tokens: int,
-                     longest: int) -> float:
-    """Peak bytes of one micro-batch of `tokens` tokens (documents of at most `longest`) beyond
-    the model states: the fitted per-token-and-step and per-head-L^2 terms, the teacher's
-    float32 draft-vocabulary logits and the micro-batch's float32 states (both per token)."""
+def activation_bytes(fit: dict[str, Any], shape: Any, steps: int, tokens: int) -> float:
+    """Peak bytes of one micro-batch of `tokens` tokens beyond the model states: the fitted
+    transient (attention blocks of a bounded size, whatever the lengths) and per-token-and-step
+    terms, the teacher's float32 draft-vocabulary logits and the micro-batch's float32 states
+    (both per token). Attention keeps no [L, L] tensor, so document lengths do not enter."""
     c = fit["per_token_step"]
     per_token_step = (c["const"] + c["draft_vocab"] * shape.draft_vocab_size
                       + c["hidden"] * shape.hidden_size + c["intermediate"]
                       * shape.intermediate_size + c["attention"] * shape.num_attention_heads
                       * shape.head_dim)
-    squares = tokens * min(longest, tokens)  # sum of L_doc^2 over the documents, at most
     per_token = 4 * shape.draft_vocab_size + 4 * (shape.num_aux + 1) * shape.target_hidden_size
-    return (tokens * steps * per_token_step + fit["per_head_L2_step"]
-            * shape.num_attention_heads * steps * squares + tokens * per_token)
+    return fit["transient_bytes"] + tokens * (steps * per_token_step + per_token)
 
 
-def training_memory(cfg: Config, info: VerifierInfo, tokens: Optional[int] = None,
-                    longest: Optional[int] = None) -> dict[str, Any]:
+def training_memory(cfg: Config, info: VerifierInfo, tokens: Optional[int] = None
+                    ) -> dict[str, Any]:
     """Bytes per GPU: model states plus the activations of one micro-batch of `tokens`
-    (default `train.batch_tokens`) whose documents have at most `longest` tokens (default
-    `data.max_seq_len`), from `MEMORY_FIT`. Model states: fp32 weights, grads and AdamW
+    (default `train.batch_tokens`), from `MEMORY_FIT`. Model states: fp32 weights, grads and AdamW
     moments of the trainable parameters (16 B each; sharded over the GPUs under FSDP, which
     gathers the full fp32 weights for forward and backward, 4 B), DDP's gradient buckets (4 B),
     autocast's bf16 weight copies (2 B), the frozen embedding and the teacher's lm_head (fp32)."""
@@ -143,8 +140,7 @@ def training_memory(cfg: Config, info: VerifierInfo, tokens: Optional[int] = Non
     fits = json.loads(MEMORY_FIT.read_text())
     mode = "checkpointed" if tc.activation_checkpointing else "plain"
     tokens = tokens or tc.batch_tokens
-    longest = min(longest or cfg.data.max_seq_len, tokens)
-    act = {m: activation_bytes(fits[m], shape, tc.ttt_steps, tokens, longest)
+    act = {m: activation_bytes(fits[m], shape, tc.ttt_steps, tokens)
            for m in ("plain", "checkpointed")}
     out.update(activations=act[mode], activations_other=act["checkpointed" if mode == "plain"
                                                              else "plain"],
@@ -152,9 +148,10 @@ def training_memory(cfg: Config, info: VerifierInfo, tokens: Optional[int] = Non
     out["peak"] = {k: v + act[mode] for k, v in states.items()}
     if cfg.plan.gpu_memory_gb:
         budget = cfg.plan.gpu_memory_gb * GB * GPU_HEADROOM
-        per_token = act[mode] / tokens  # the L^2 term only shrinks with fewer tokens
-        out["max_batch_tokens"] = {k: max(int((budget - v) / per_token), 0)
-                                   for k, v in states.items()}
+        per_token = (act[mode] - fits[mode]["transient_bytes"]) / tokens
+        out["max_batch_tokens"] = {
+            k: max(int((budget - v - fits[mode]["transient_bytes"]) / per_token), 0)
+            for k, v in states.items()}
     return out
 
 
@@ -164,8 +161,8 @@ def memory_lines(cfg: Config, mem: dict[str, Any]) -> list[str]:
         return [f"   activations: not predicted ({MEMORY_FIT.name} missing: run "
                 f"bench/bench_memory.py fit)"]
     tc, other = cfg.train, "on" if not mem["checkpointing"] else "off"
-    lines = [f"   activations at train.batch_tokens={tc.batch_tokens} (documents up to "
-             f"{min(cfg.data.max_seq_len, tc.batch_tokens)} tokens), TTT {tc.ttt_steps}, "
+    lines = [f"   activations at train.batch_tokens={tc.batch_tokens} (any document lengths: "
+             f"attention keeps no [L, L] tensor), TTT {tc.ttt_steps}, "
              f"activation checkpointing {'on' if mem['checkpointing'] else 'off'}: "
              f"{mem['activations'] / GB:.1f} GB ({mem['activations_other'] / GB:.1f} GB with it "
              f"{other}; fit measured {mem['fit_source']})",

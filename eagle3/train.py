@@ -511,7 +511,7 @@ def smoke(stage: Stage) -> None:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         where = f"{peak / GB:.2f} GB peak resident size of the process (CPU)"
     peaks = dist.all_reduce_sum([peak if r == ctx.rank else 0.0 for r in range(ctx.world_size)])
-    mem = training_memory(stage.cfg, stage.cfg.verifier_info, tokens, longest)
+    mem = training_memory(stage.cfg, stage.cfg.verifier_info, tokens)
     predicted = (f"; the plan predicts {mem['peak'][t.parallel] / GB:.1f} GB for this "
                  f"micro-batch on a GPU (bf16 fit of {mem['fit_source']})"
                  if "peak" in mem else "")

@@ -30,7 +30,7 @@ def test_tokenizer_verdict_tells_dropped_reasoning_from_none(tmp_path, tiny_veri
 
 
 FIT = {"per_token_step": {"const": 1000.0, "draft_vocab": 10.0, "hidden": 40.0,
-                          "intermediate": 8.0, "attention": 20.0}, "per_head_L2_step": 0.0}
+                          "intermediate": 8.0, "attention": 20.0}, "transient_bytes": 0}
 
 
 @pytest.fixture
