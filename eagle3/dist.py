@@ -106,6 +106,15 @@ def all_reduce_sum(values: list[float]) -> list[float]:
     return t.tolist()
 
 
+def all_reduce_tensor(t: torch.Tensor) -> torch.Tensor:
+    """`t` summed over all ranks, on its own device (no host sync; one process: `t`)."""
+    if not (torch_dist.is_available() and torch_dist.is_initialized()):
+        return t
+    t = t.clone()
+    torch_dist.all_reduce(t)
+    return t
+
+
 def log0(msg: str, *args: object) -> None:
     """logging.info on rank 0 only."""
     if _env_int("RANK", 0) == 0:

@@ -350,6 +350,7 @@ class Trainer:
     bf16: bool = False
     tb: Any = None
     teacher_cache: TeacherCache = field(default_factory=TeacherCache)
+    prefetch: Optional["Prefetcher"] = None
 
     @property
     def tc(self) -> Any:
@@ -361,9 +362,36 @@ class Trainer:
 
     def batch(self, group: list[int], loss_on: Optional[str] = None,
               temperature: Optional[float] = None) -> Any:
-        return prepare_batch([self.data[i] for i in group], self.tc.batch_tokens,
+        samples = self.prefetch.take(group) if self.prefetch else None
+        return prepare_batch(samples or [self.data[i] for i in group], self.tc.batch_tokens,
                              self.ctx.device, self.dtype, self.head, loss_on, temperature,
                              keys=group, cache=self.teacher_cache)
+
+
+class Prefetcher:
+    """Reads the samples of the micro-batches this rank trains on next in a background thread
+    (from its own handles on the shards), while the current step computes: the disk is read
+    one optimizer step ahead, never more. Reads are pure, so nothing changes but the wait."""
+
+    def __init__(self, directory: Path) -> None:
+        import concurrent.futures
+        self.data = HiddenStates(directory)
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefetch")
+        self.pending: dict[tuple[int, ...], Any] = {}
+
+    def ahead(self, groups: list[list[int]]) -> None:
+        for group in groups:
+            key = tuple(group)
+            if key not in self.pending:
+                self.pending[key] = self.pool.submit(lambda g=group: [self.data[i] for i in g])
+
+    def take(self, group: list[int]) -> Optional[list[dict[str, torch.Tensor]]]:
+        future = self.pending.pop(tuple(group), None)
+        return future.result() if future is not None else None
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.pending.clear()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -644,14 +672,18 @@ def run_train(stage: Stage) -> None:
     _log_start(t)
     t.tb = _tensorboard(stage.dir, t.state.step) if tc.tensorboard and t.ctx.is_main else None
     log_window = _LogWindow(t)
+    t.prefetch = Prefetcher(stage.upstream(2).dir)
     batches, batches_epoch = [], -1
+    per_step = tc.grad_accum * t.ctx.world_size
     while t.state.step < t.total_steps:
         state = t.state
         if batches_epoch != state.epoch:
             batches = epoch_batches(t.lengths, t.train_idx, tc.batch_tokens, tc.seed, state.epoch)
             batches_epoch = state.epoch
-        groups = batches[state.batch_in_epoch:state.batch_in_epoch
-                         + tc.grad_accum * t.ctx.world_size]
+        at = state.batch_in_epoch
+        groups = batches[at:at + per_step]
+        # the next step's share of this rank is read while this step computes
+        t.prefetch.ahead(batches[at + per_step:at + 2 * per_step][t.ctx.rank::t.ctx.world_size])
         stats, grad_norm = train_step(t, groups)
         state.step += 1
         state.tokens_seen += sum(min(t.lengths[i], tc.batch_tokens) for g in groups for i in g)
@@ -669,6 +701,7 @@ def run_train(stage: Stage) -> None:
         log_window.add(stats, record, val)
         if val is not None:
             save(t, val)
+    t.prefetch.close()
     finish(t, started)
 
 

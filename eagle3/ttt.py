@@ -34,7 +34,6 @@ a draft with the verifier's probability of it, as vLLM does (`est_accept_len_gre
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Hashable, Optional
 
@@ -201,7 +200,7 @@ exist at a time, and none is kept for backward (each chunk is recomputed there).
 
 def _chunk_loss(spec: TTTSpec, logits: torch.Tensor, teacher_logits: torch.Tensor,
                 src: torch.Tensor, lse: torch.Tensor, weight: torch.Tensor,
-                lam: float) -> torch.Tensor:
+                lam: torch.Tensor) -> torch.Tensor:
     """Sum over one chunk of positions of weight x the per-position loss (float32)."""
     t_logits = teacher_logits.gather(1, src[..., None].expand(-1, -1, teacher_logits.shape[-1]))
     log_q = torch.log_softmax(logits.float(), dim=-1)
@@ -241,10 +240,11 @@ def step_loss(spec: TTTSpec, logits: torch.Tensor, teacher_logits: torch.Tensor,
         alpha = torch.cat([acceptance_probability(
             logits[:, s:e], teacher_logits.gather(1, src[:, s:e, None].expand(-1, -1, V)),
             lse[:, s:e]) for s, e in bounds], dim=1)
-    lam = 0.0
-    if spec.loss == "lk_lambda":
-        mean_alpha = dist.all_reduce_sum([float((alpha * weight).sum()), float(n)])
-        lam = math.exp(-spec.lk_eta * mean_alpha[0] / max(mean_alpha[1], 1.0))
+    lam = alpha.new_zeros((), dtype=torch.float64)
+    if spec.loss == "lk_lambda":  # on the device, summed over ranks: no host sync
+        sums = dist.all_reduce_tensor(torch.stack([(alpha * weight).sum().double(),
+                                                   n.double()]))
+        lam = torch.exp(-spec.lk_eta * sums[0] / sums[1].clamp(min=1.0))
     grad = torch.is_grad_enabled() and logits.requires_grad
     total = logits.new_zeros((), dtype=torch.float32)
     for s, e in bounds:
@@ -298,7 +298,8 @@ def ttt_forward(model: Eagle3DraftModel, batch: Batch, teacher: Teacher, spec: T
     alive = chain_p = chain_g = reached = None
     total = h.new_zeros(())
     stats = StepStats.zeros(spec.ttt_steps, estimate_temperature)
-    for k in range(spec.ttt_steps):
+    per_step: list[list[torch.Tensor]] = []  # per step: loss, counted, correct, full, alpha,
+    for k in range(spec.ttt_steps):           # expected, expected_greedy (device scalars)
         src = idx + 1 + k                      # position of the input token (and its teacher)
         tgt = src + 1                          # position of the predicted token
         in_doc = src < batch.doc_end
@@ -328,11 +329,10 @@ def ttt_forward(model: Eagle3DraftModel, batch: Batch, teacher: Teacher, spec: T
                 alive, chains = correct, counted
             else:
                 alive = alive & correct
-            stats.loss[k] = float(loss_k)
-            stats.counted[k] = int(n)
-            stats.correct[k] = int(correct.sum())
-            stats.full[k] = int((alive & chains).sum())
-            stats.alpha[k] = float((alpha * counted).sum())
+            zero = loss_k.new_zeros((), dtype=torch.float64)
+            per_step.append([loss_k.detach().double(), n.double(), correct.sum().double(),
+                             (alive & chains).sum().double(), (alpha * counted).sum().double(),
+                             zero, zero])
             if estimate_temperature:
                 lse_t = teacher.lse_t.gather(1, src_c)
                 t_logits = teacher.draft_logits.gather(
@@ -343,9 +343,16 @@ def ttt_forward(model: Eagle3DraftModel, batch: Batch, teacher: Teacher, spec: T
                                 .squeeze(-1) / estimate_temperature - lse_t) * counted
                 chain_p = a_t if chain_p is None else chain_p * a_t
                 chain_g = g_t if chain_g is None else chain_g * g_t
-                stats.expected[k] = float((chain_p * chains).sum())
-                stats.expected_greedy[k] = float((chain_g * chains).sum())
-    stats.objective, stats.batches = float(total.detach()), 1
+                per_step[-1][5:] = [(chain_p * chains).sum().double(),
+                                    (chain_g * chains).sum().double()]
+    # The counts cross to the host once per micro-batch, not once per step and metric.
+    values = torch.stack([torch.stack(v) for v in per_step]
+                         + [total.detach().double().expand(7)]).tolist()
+    for k, (loss_k, n, correct, full, alpha, expected, greedy) in enumerate(values[:-1]):
+        stats.loss[k], stats.counted[k], stats.correct[k], stats.full[k] = \
+            loss_k, int(n), int(correct), int(full)
+        stats.alpha[k], stats.expected[k], stats.expected_greedy[k] = alpha, expected, greedy
+    stats.objective, stats.batches = values[-1][0], 1
     return total, stats
 
 
