@@ -235,7 +235,7 @@ def _base_aux_ids(stage: Stage, base: base_drafter.BaseDrafter, model: Eagle3Dra
                                    "written": base.aux_layer_ids, "chosen": chosen,
                                    "engine_reading": engine, "margin": MEASURE_MARGIN,
                                    "scores": scores})
-    log.info("base aux convention measured: %s", ", ".join(
+    log.info("base aux convention scores: %s", ", ".join(
         f"{n} {s['aux_layer_ids']}: est_len {s['est_accept_len']:.3f}" for n, s in scores.items()))
     how = (f"measured: {chosen} (within {MEASURE_MARGIN} of the best, as its engine reads it)"
            if tie and chosen != best else f"measured best: {chosen}")

