@@ -3,7 +3,8 @@ length L of its one document, and against the drafter's widths. The fits are wha
 `python -m eagle3.plan` uses to predict stage 04's per-GPU peak.
 
     .venv/bin/python bench/bench_memory.py fit      # widths + long lengths, checkpointing off
-                                                    # and on: eagle3/memory_fit.json (~15 min)
+                                                    # and on: eagle3/memory_fit.json (~20 min)
+    .venv/bin/python bench/bench_memory.py refit    # the fit again from the rows in that file
     .venv/bin/python bench/bench_memory.py lengths [--lengths 1024,2048,4096,8192,16384]
     .venv/bin/python bench/bench_memory.py widths  [--length 4096]
     options: --ttt 3  --autocast bf16|off  --checkpointing  --repo PATH (another checkout)
