@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 import random
 import re
 import shutil
@@ -53,6 +54,8 @@ class Checkpoint:
     draft: DraftModelConfig
     aux_layer_ids: list[int]
     """HF `output_hidden_states` indices the drafter was trained on."""
+    recipe: Optional[dict[str, Any]]
+    """The stage-04 settings it was trained with (None: written before they were recorded)."""
     weights: dict[str, TensorLike]
     trainer_state: Optional[dict[str, Any]] = None
     """Only when loaded for resuming."""
@@ -60,8 +63,10 @@ class Checkpoint:
 
 def save(train_dir: Path, step: int, weights: dict[str, torch.Tensor], draft: DraftModelConfig,
          aux_layer_ids: list[int], speculators_config: dict[str, Any],
-         trainer_state: dict[str, Any]) -> Path:
-    """Write `step-N/` atomically (record last) and point `latest` at it."""
+         trainer_state: dict[str, Any], recipe: dict[str, Any]) -> Path:
+    """Write `step-N/` atomically (record last) and point `latest` at it. `recipe`: the
+    stage-04 settings the weights depend on (`runs.depends_on(cfg, 4, own_only=True)`), which a
+    resume must match."""
     path = train_dir / f"step-{step}"
     if path.exists():  # a previous run got this far; the content is identical by determinism
         shutil.rmtree(path)
@@ -71,7 +76,7 @@ def save(train_dir: Path, step: int, weights: dict[str, torch.Tensor], draft: Dr
         (tmp / CONFIG).write_text(json.dumps(speculators_config, indent=2) + "\n")
         torch.save(trainer_state, tmp / TRAINER_STATE)
         record = {"step": step, "draft": draft.to_dict(),
-                  "aux_layer_ids": [int(i) for i in aux_layer_ids],
+                  "aux_layer_ids": [int(i) for i in aux_layer_ids], "recipe": recipe,
                   "files": {name: file_record(tmp / name)
                             for name in (WEIGHTS, CONFIG, TRAINER_STATE)}}
         (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")
@@ -106,25 +111,56 @@ def step_dirs(train_dir: Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
-def latest_intact(train_dir: Path, mode: str = "sha256") -> Optional[Path]:
-    """The newest intact checkpoint. Damaged newer ones are moved aside (never deleted) with a
-    warning, so that training resumes from the previous one and rewrites them."""
-    for _, path in reversed(step_dirs(train_dir)):
+def check_kept(train_dir: Path, mode: str, scores: dict[int, float]) -> Optional[Path]:
+    """Check every kept checkpoint and what the pointers name, before a resume (and so before
+    `--repair` vouches for anything): damaged checkpoints are moved aside (never deleted) with a
+    warning, so training resumes from the newest intact one and rewrites the newer ones;
+    `latest` moves to the newest intact checkpoint, and a `best` that names a damaged or missing
+    one moves to the intact checkpoint with the highest recorded validation score (`scores`:
+    step -> val est_accept_len). Returns the newest intact checkpoint, or None."""
+    intact = []
+    for step, path in step_dirs(train_dir):
         problems = damage(path, mode)
-        if not problems:
-            return path
-        moved = move_aside(path, "damaged")
-        log.warning("checkpoint %s is damaged (%s); moved to %s, resuming from the one before",
-                    path.name, problems[0], moved.name)
-    return None
+        if problems:
+            moved = move_aside(path, "damaged")
+            log.warning("checkpoint %s is damaged (%s); moved to %s", path.name, problems[0],
+                        moved.name)
+        else:
+            intact.append((step, path))
+    newest = intact[-1][1] if intact else None
+    if pointer_target(train_dir, "latest") != (newest.name if newest else None):
+        _repoint(train_dir, "latest", newest)
+    named = pointer_target(train_dir, "best")
+    if named is not None and named not in {p.name for _, p in intact}:
+        best = max(intact, key=lambda sp: (scores.get(sp[0], float("-inf")), sp[0]),
+                   default=(0, None))[1]
+        log.warning("`best` named %s, which is damaged or missing; it now names %s", named,
+                    best.name if best else "nothing (no intact checkpoint)")
+        _repoint(train_dir, "best", best)
+    return newest
+
+
+def pointer_target(train_dir: Path, name: str) -> Optional[str]:
+    """The step directory name a pointer file holds (whether or not it exists), or None."""
+    ptr = train_dir / name
+    try:
+        return ptr.read_text().strip() or None
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _repoint(train_dir: Path, name: str, target: Optional[Path]) -> None:
+    if target is None:
+        (train_dir / name).unlink(missing_ok=True)
+    else:
+        atomic_write_text(train_dir / name, target.name + "\n")
 
 
 def read_pointer(train_dir: Path, name: str) -> Optional[Path]:
-    ptr = train_dir / name
-    if not ptr.is_file():
-        return None
-    target = train_dir / ptr.read_text().strip()
-    return target if target.is_dir() else None
+    """The step directory a pointer names, when it exists."""
+    target = pointer_target(train_dir, name)
+    return train_dir / target if target and STEP_RE.match(target) and \
+        (train_dir / target).is_dir() else None
 
 
 def resolve(train_dir: Path, which: str, mode: str = "sha256") -> Path:
@@ -153,13 +189,26 @@ def load(path: Path, with_trainer_state: bool = False, lazy: bool = False) -> Ch
     if record is None:
         raise StageError(f"{path} has no readable {RECORD}: not a checkpoint of this trainer")
     state = None
-    if with_trainer_state:  # our own file, holding numpy RNG state: not weights-only
-        state = torch.load(path / TRAINER_STATE, weights_only=False)
+    if with_trainer_state:
+        state = _load_trainer_state(path / TRAINER_STATE)
     return Checkpoint(path=path, step=int(record["step"]),
                       draft=DraftModelConfig.from_dict(record["draft"]),
                       aux_layer_ids=[int(i) for i in record["aux_layer_ids"]],
+                      recipe=record.get("recipe"),
                       weights=(open_file(path / WEIGHTS) if lazy else
                                load_file(str(path / WEIGHTS))), trainer_state=state)
+
+
+def _load_trainer_state(file: Path) -> dict[str, Any]:
+    """Tensors and plain data only: unpickling anything else could run code from a crafted
+    file, so it is refused."""
+    try:
+        return torch.load(file, weights_only=True)
+    except pickle.UnpicklingError as e:
+        reason = str(e).strip().splitlines()[0][:200]
+        raise StageError(f"{file} holds more than tensors and plain data ({reason}): it was not "
+                         f"written by this trainer; move its step directory aside, or rerun "
+                         f"04_train.py with --restart") from None
 
 
 def set_best(train_dir: Path, path: Path) -> None:
@@ -175,7 +224,10 @@ def prune(train_dir: Path, keep: int) -> None:
 
 
 def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+    """Every generator's state as tensors and plain data (a trainer state loads weights-only)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(),
+             "numpy": (kind, torch.from_numpy(keys.copy()), pos, has_gauss, gauss),
              "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -184,7 +236,8 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy(), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

@@ -15,8 +15,11 @@ import dataclasses
 import difflib
 import functools
 import json
+import math
 import os
 import re
+import reprlib
+import shlex
 import types
 import typing
 from dataclasses import dataclass, field
@@ -30,6 +33,24 @@ class ConfigError(ValueError):
     """A user mistake in the config or an override; the message says what and how to fix."""
 
 
+RUN_NAME = re.compile(r"[A-Za-z0-9._-]{1,100}")
+
+_SHOW = reprlib.Repr()
+_SHOW.maxstring, _SHOW.maxother, _SHOW.maxlevel = 80, 80, 3
+_SHOW.maxlist = _SHOW.maxtuple = _SHOW.maxdict = _SHOW.maxset = 8
+
+
+def show(value: Any) -> str:
+    """`repr` bounded in length and depth: every config value quoted in an error or a diff goes
+    through here, so a 50 MB string or a graph of YAML aliases prints as one short line."""
+    return _SHOW.repr(value)
+
+
+MAX_CONFIG_VALUES = 100_000
+"""More leaves than any real config has (the largest has a few hundred); a file beyond it is
+refused before anything walks or prints it (a YAML alias bomb expands to billions)."""
+
+
 # ---------------------------------------------------------------------------------------------
 # Sections
 
@@ -37,13 +58,20 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class RunConfig:
     name: str
-    """Run name; outputs go to `<dir>/<name>/`."""
+    """Run name; outputs go to `<dir>/<name>/` (letters, digits, `.`, `_`, `-`: one folder)."""
     dir: str = "runs"
     """Parent directory of all runs (relative paths are relative to the working directory)."""
     verify: Literal["sha256", "size"] = "sha256"
     """How a finished stage's files are checked each time they are used (by the next stage, or
     by a rerun of the stage): `sha256` rehashes every file against its manifest (reads every
     byte, about a minute per 100 GB on a few cores), `size` checks sizes only."""
+
+    def __post_init__(self) -> None:
+        # The name is one folder under `dir`: `../x` or an absolute path would write (and move
+        # aside on --restart) outside it.
+        if not RUN_NAME.fullmatch(self.name) or self.name in (".", ".."):
+            raise ConfigError(f"run.name: {show(self.name)} is not a folder name; use up to 100 "
+                              f"letters, digits, '.', '_' or '-' (e.g. smollm2-135m-cpu)")
 
 
 @dataclass(frozen=True)
@@ -498,11 +526,15 @@ class ExportConfig:
     """Dtype of the exported weights (d2t/t2d keep int64/bool). Engines serve in bf16 and warn
     on every float32 tensor they cast at load; null keeps the checkpoint's dtype."""
 
-
     def __post_init__(self) -> None:
+        if not self.formats:
+            raise ConfigError("export.formats: give at least one of vllm, sglang, speculators "
+                              "(an export of nothing would pass as done)")
+        if len(set(self.formats)) != len(self.formats):
+            raise ConfigError(f"export.formats: each format once, got {self.formats}")
         if not re.fullmatch(r"best|latest|step-\d+", self.checkpoint):
             raise ConfigError(f"export.checkpoint must be best, latest or step-N, got "
-                              f"{self.checkpoint!r}")
+                              f"{show(self.checkpoint)}")
         _positive("export.speculative_tokens", self.speculative_tokens)
 
 
@@ -532,7 +564,7 @@ def parse_depth(value: Union[int, str], where: str) -> Depth:
     parts = str(value).split("/")
     if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
         raise ConfigError(f"{where}: give a depth as K or steps/topk/draft_tokens (e.g. "
-                          f"16/1/17 or 5/4/8), got {value!r}")
+                          f"16/1/17 or 5/4/8), got {show(value)}")
     steps, topk, draft = (int(p) for p in parts)
     if min(steps, topk) < 1 or draft < 2:
         raise ConfigError(f"{where}: {value}: steps and topk must be >= 1, draft_tokens >= 2")
@@ -828,7 +860,7 @@ def rope_theta_of(text: dict[str, Any], path: Path) -> float:
     raise ConfigError(f"verifier.path: {path}/config.json has no RoPE base in a layout this "
                       f"pipeline reads (`rope_theta`, `rope_parameters.rope_theta`, "
                       f"`rope_parameters.<layer type>.rope_theta`); found rope_parameters="
-                      f"{params!r}: fix the config")
+                      f"{show(params)}: fix the config")
 
 
 def read_verifier_info(verifier: VerifierConfig) -> VerifierInfo:
@@ -889,6 +921,14 @@ class Config:
     plan: PlanConfig = field(default_factory=PlanConfig)
     source: str = ""
     """Path of the YAML this config was read from."""
+    overrides: tuple[str, ...] = ()
+    """The command line's `section.key=value` overrides, repeated in every command a message
+    suggests (`rerun python 02_... CONFIG OVERRIDES --restart`)."""
+
+    @property
+    def command_args(self) -> str:
+        """`CONFIG [OVERRIDES]` as a shell would need them typed."""
+        return " ".join(shlex.quote(a) for a in (self.source, *self.overrides))
 
     @property
     def run_dir(self) -> Path:
@@ -920,10 +960,12 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out.pop("source")
+        out.pop("overrides")
         return out
 
 
-SECTIONS = {f.name: f.type for f in dataclasses.fields(Config) if f.name != "source"}
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)
+            if f.name not in ("source", "overrides")}
 
 
 def expand_path(p: str) -> str:
@@ -935,7 +977,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     raw = read_yaml(Path(path))
     for ov in overrides or []:
         _apply_override(raw, ov)
-    return config_from_dict(raw, source=str(path))
+    return config_from_dict(raw, source=str(path), overrides=tuple(overrides or ()))
 
 
 def read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
@@ -950,6 +992,9 @@ def read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
         raise ConfigError(f"{path}: not valid YAML ({e})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections")
+    if _exceeds(raw, MAX_CONFIG_VALUES):
+        raise ConfigError(f"{path}: expands to more than {MAX_CONFIG_VALUES:,} values (YAML "
+                          f"aliases repeating aliases?); write the values out")
     parent = raw.pop("inherit", None)
     if parent is None:
         return raw
@@ -957,6 +1002,23 @@ def read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     if parent_path in seen:
         raise ConfigError(f"{path}: `inherit` loops back to {parent_path}")
     return _merge(read_yaml(parent_path, (*seen, path.resolve())), raw)
+
+
+def _exceeds(raw: Any, limit: int) -> bool:
+    """Whether `raw` has more than `limit` values, counting a value each time an alias repeats
+    it; stops counting at the limit, so a bomb costs microseconds, not its expansion."""
+    todo, seen = [raw], 0
+    while todo:
+        node = todo.pop()
+        seen += 1
+        if seen > limit:
+            return True
+        if isinstance(node, dict):
+            todo.extend(node.keys())
+            todo.extend(node.values())
+        elif isinstance(node, list):
+            todo.extend(node)
+    return False
 
 
 def _merge(base: dict[str, Any], change: dict[str, Any]) -> dict[str, Any]:
@@ -969,7 +1031,8 @@ def _merge(base: dict[str, Any], change: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def config_from_dict(raw: dict[str, Any], source: str = "") -> Config:
+def config_from_dict(raw: dict[str, Any], source: str = "",
+                     overrides: tuple[str, ...] = ()) -> Config:
     hints = typing.get_type_hints(Config)
     _reject_unknown(raw, [s for s in SECTIONS], "section")
     kwargs: dict[str, Any] = {}
@@ -980,7 +1043,7 @@ def config_from_dict(raw: dict[str, Any], source: str = "") -> Config:
     for required in ("run", "verifier"):
         if required not in kwargs:
             raise ConfigError(f"missing section `{required}:`")
-    return Config(**kwargs, source=source)
+    return Config(**kwargs, source=source, overrides=overrides)
 
 
 def _apply_override(raw: dict[str, Any], override: str) -> None:
@@ -1067,43 +1130,45 @@ def _check_type(name: str, value: Any, tp: Any) -> Any:
         raise ConfigError(errors[0] if errors else f"{name}: must not be null")
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
-            raise ConfigError(f"{name}: must be a mapping, got {value!r}")
+            raise ConfigError(f"{name}: must be a mapping, got {show(value)}")
         return _build_dataclass(tp, value, name)
     if origin is Literal:
         # YAML 1.1 reads a bare `off` (and `on`) as a boolean, in files and in overrides alike
         if isinstance(value, bool) and ("on" if value else "off") in args:
             value = "on" if value else "off"
         if value not in args:
-            raise ConfigError(f"{name}: must be one of {list(args)}, got {value!r}")
+            raise ConfigError(f"{name}: must be one of {list(args)}, got {show(value)}")
         return value
     if origin is list:
         if not isinstance(value, list):
-            raise ConfigError(f"{name}: must be a list, got {value!r}")
+            raise ConfigError(f"{name}: must be a list, got {show(value)}")
         return [_check_type(f"{name}[{i}]", v, args[0]) for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"{name}: must be a mapping, got {value!r}")
+            raise ConfigError(f"{name}: must be a mapping, got {show(value)}")
         return {_check_type(name, k, args[0]): _check_type(f"{name}.{k}", v, args[1])
                 for k, v in value.items()}
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads `3e-4` (no dot) as a string
             try:
-                return float(value)
+                value = float(value)
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{name}: must be a number, got {value!r}")
+            raise ConfigError(f"{name}: must be a number, got {show(value)}")
+        if not math.isfinite(value):  # NaN != NaN would make every later stage look stale
+            raise ConfigError(f"{name}: must be a finite number, got {value}")
         return float(value)
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{name}: must be an integer, got {value!r}")
+            raise ConfigError(f"{name}: must be an integer, got {show(value)}")
         return value
     if tp is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{name}: must be true or false, got {value!r}")
+            raise ConfigError(f"{name}: must be true or false, got {show(value)}")
         return value
     if tp is str:
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            raise ConfigError(f"{name}: must be a string, got {value!r}")
+            raise ConfigError(f"{name}: must be a string, got {show(value)}")
         return str(value)
     raise TypeError(f"unsupported config type {tp} for {name}")  # a bug in this file

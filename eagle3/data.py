@@ -83,6 +83,13 @@ class Unreadable:
     """The packaged ShareGPT file's known cut last record: always skipped, only counted."""
 
 
+TOO_DEEP = "JSON nested deeper than Python's parser allows (about 1000 levels)"
+
+
+def _not_utf8(e: UnicodeDecodeError) -> str:
+    return f"not UTF-8 text (byte 0x{e.object[e.start]:02x}); re-save the file as UTF-8"
+
+
 def iter_json_array(path: Path, packaged: bool = False) -> Iterator[dict[str, Any] | Unreadable]:
     """Yield the records of a JSON array one by one, then an `Unreadable` for a syntax error.
 
@@ -91,7 +98,13 @@ def iter_json_array(path: Path, packaged: bool = False) -> Iterator[dict[str, An
     array is closed but has an error inside cannot be resynchronised: the error names the
     record, its line, and how much of the file is left unread.
     """
-    text = Path(path).read_text(encoding="utf-8")
+    raw = Path(path).read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        yield Unreadable(f"{path}: line {line}", _not_utf8(e))
+        return
     decoder = json.JSONDecoder()
     pos = text.find("[")
     if pos < 0:
@@ -106,6 +119,10 @@ def iter_json_array(path: Path, packaged: bool = False) -> Iterator[dict[str, An
             return
         try:
             record, pos = decoder.raw_decode(text, pos)
+        except RecursionError:
+            yield Unreadable(f"{path}: record {number} (line {text.count(chr(10), 0, pos) + 1})",
+                             TOO_DEEP)
+            return
         except json.JSONDecodeError as e:
             cut = not text.rstrip().endswith("]")  # the array never closes: a truncated file
             where = f"{path}: record {number} (line {text.count(chr(10), 0, pos) + 1})"
@@ -120,19 +137,25 @@ def iter_json_array(path: Path, packaged: bool = False) -> Iterator[dict[str, An
 
 def _iter_json_rows(path: Path) -> Iterator[dict[str, Any] | Unreadable]:
     """Rows of a local .json (array) or .jsonl file."""
-    with open(path, encoding="utf-8") as f:
+    with open(path, "rb") as f:
         first = f.read(1)
         while first and first.isspace():
             first = f.read(1)
-    if first == "[":
+    if first == b"[":
         yield from iter_json_array(path)
         return
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
+    with open(path, "rb") as f:  # bytes: a bad byte is one bad line, not a crash mid-file
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                yield Unreadable(f"{path}:{lineno}", _not_utf8(e))
+                continue
+            except RecursionError:
+                yield Unreadable(f"{path}:{lineno}", TOO_DEEP)
+                continue
             except json.JSONDecodeError as e:
                 yield Unreadable(f"{path}:{lineno}", f"not valid JSON ({e.msg})")
                 continue

@@ -148,7 +148,7 @@ def run_export(stage: Stage) -> None:
     d = Drafter(c.path, c.draft, c.aux_layer_ids, c.weights)
     ctx = export_context(stage)
     # Everything a kept format directory must have been made from (else it is redone).
-    source = {"checkpoint": str(c.path), "upstream_manifest_sha256": stage.upstream_hash(4),
+    source = {"checkpoint": str(c.path), "upstream_sha256": stage.upstream_hash(4),
               "dtype": cfg.export.dtype, "sglang_aux_ids": cfg.export.sglang_aux_ids,
               "speculative_tokens": cfg.export.speculative_tokens,
               "verifier": ctx.verifier_path}
@@ -160,8 +160,7 @@ def run_export(stage: Stage) -> None:
               "formats": records}
     atomic_write_json(stage.dir / "report.json", report)
     stage.write_manifest(
-        inputs={"checkpoint": str(c.path), "upstream_manifest_sha256": source[
-            "upstream_manifest_sha256"]},
+        inputs={"checkpoint": str(c.path), "upstream_sha256": source["upstream_sha256"]},
         outputs={fmt: str(stage.dir / fmt) for fmt in records} | {
             "report": str(stage.dir / "report.json")},
         counts={"formats": len(records),

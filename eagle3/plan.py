@@ -8,8 +8,8 @@ Prints, per stage, the work (prompts, estimated tokens from the data and
 memory per GPU (weights, gradients, AdamW moments, and the activations of one micro-batch
 from the measured fit in `memory_fit.json`; DDP and FSDP), the engine commands the stages
 will run, and hours on `plan.gpus` GPUs from the throughput figures in the `plan` section (left
-out where a figure is unset). Then the preflight checks, one verdict per line. Nothing is
-started or written. When the verifier is not on this machine, its shape comes from
+out where a figure is unset). Then the preflight checks, one verdict per line; any FAIL makes
+it exit 2. Nothing is started or written. When the verifier is not on this machine, its shape comes from
 `plan.verifier_config` (a copy of its config.json).
 """
 
@@ -361,7 +361,8 @@ def _init_verdict(cfg: Config) -> Verdict:
                    f"layer {info.aux_layer_ids[-1]}: every shape equal to the drafter's")
 
 
-def render_plan(cfg: Config) -> str:
+def render_plan(cfg: Config) -> tuple[str, list[Verdict]]:
+    """The plan's text, and its preflight verdicts (a failed one makes `main` exit 2)."""
     info, source = verifier_facts(cfg)
     if info is None:
         raise ConfigError(f"{source}; to plan without the verifier, set plan.verifier_config "
@@ -400,9 +401,9 @@ def render_plan(cfg: Config) -> str:
     lines += _proposals(cfg, disk, d)
     lines += ["", "engine commands (port numbers are chosen at run time):"]
     lines += [f"  {name}: {' '.join(cmd)}" for name, cmd in engine_commands(cfg).items()]
-    lines += ["", "preflight:"] + [v.line() for v in preflight(cfg, disk[cfg.hidden_states.dtype])
-                                   + [memory_verdict(cfg, mem)]]
-    return "\n".join(lines)
+    verdicts = preflight(cfg, disk[cfg.hidden_states.dtype]) + [memory_verdict(cfg, mem)]
+    lines += ["", "preflight:"] + [v.line() for v in verdicts]
+    return "\n".join(lines), verdicts
 
 
 def _proposals(cfg: Config, disk: dict[str, float], d: dict[str, Any]) -> list[str]:
@@ -423,9 +424,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     try:
-        print(render_plan(load_config(args.config, args.overrides)))
+        text, verdicts = render_plan(load_config(args.config, args.overrides))
     except (ConfigError, StageError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(text)
+    failed = [v.check for v in verdicts if v.ok is False]
+    if failed:  # scripts (and run_pipeline.sh users) must not read a failed plan as a pass
+        print(f"error: the plan fails {len(failed)} check(s): {', '.join(failed)}",
+              file=sys.stderr)
         return 2
     return 0
 

@@ -23,8 +23,10 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
+import logging
 import os
 import shutil
 import time
@@ -32,10 +34,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from eagle3.config import Config, field_default
+from eagle3.config import NO_DEFAULT, Config, ConfigError, expand_path, field_default, show
 from eagle3.cpu import machine_record
 
+log = logging.getLogger("eagle3")
+
 MANIFEST = "manifest.json"
+ALWAYS_HASHED_BYTES = 64 << 20
+"""Files up to this size are hashed even under `run.verify=size`."""
 LOCKS = ".locks"
 
 
@@ -51,8 +57,42 @@ def _chat_template_digest(cfg: Config) -> Optional[str]:
     """The template's content, not its path: an edited file changes what was rendered."""
     if not cfg.verifier.chat_template:
         return None
-    path = Path(cfg.verifier.chat_template).expanduser()
-    return file_sha256(path) if path.is_file() else f"missing:{path}"
+    path = Path(expand_path(cfg.verifier.chat_template))
+    if not path.is_file():  # a typo, not a change of config: say so before comparing anything
+        raise ConfigError(f"verifier.chat_template: no file at {path}; fix the path")
+    return _content_digest(path)
+
+
+def _data_digests(cfg: Config) -> dict[str, str]:
+    """Local data files by content: an edited file changes the prompts even under one name.
+    (Packaged and hub sources are pinned by their package version or their name.)"""
+    out = {}
+    for src in cfg.data.source_configs:
+        path = Path(expand_path(src.path))
+        if path.exists():
+            out[src.path] = _content_digest(path)
+    return out
+
+
+def _content_digest(path: Path) -> str:
+    """sha256 of a file, or of a directory's files (names and contents); hashed once per
+    process for a given size and modification time (every stage compares stage 01's keys)."""
+    files = sorted(f for f in path.rglob("*") if f.is_file()) if path.is_dir() else [path]
+    stamp = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    return _digest_of(stamp)
+
+
+@functools.lru_cache(maxsize=64)
+def _digest_of(stamp: tuple[tuple[str, int, int], ...]) -> str:
+    if not stamp:
+        return "empty"
+    if len(stamp) == 1:
+        return file_sha256(Path(stamp[0][0]))
+    root = os.path.commonpath([name for name, _, _ in stamp])
+    h = hashlib.sha256()
+    for name, _, _ in stamp:
+        h.update(f"{os.path.relpath(name, root)}\0{file_sha256(Path(name))}\n".encode())
+    return h.hexdigest()
 
 
 def _hf_generation(key: str) -> Callable[[Config], Any]:
@@ -85,7 +125,8 @@ STAGES: dict[int, StageSpec] = {
     1: StageSpec("01_data", "01_generate_data.py", (), {
         "verifier.path": lambda c: str(c.verifier_path.resolve()),
         "verifier.chat_template": _chat_template_digest,
-        "verifier.stop_token_ids": None, "data": None, "generate.engine": None,
+        "verifier.stop_token_ids": None, "data": None, "data files (content)": _data_digests,
+        "generate.engine": None,
         "generate.max_new_tokens": None,
         "generate.temperature": None, "generate.top_p": None, "generate.seed": None,
         "generate.on_length": None,
@@ -140,10 +181,11 @@ def all_upstream(number: int) -> list[int]:
     return sorted(out)
 
 
-def depends_on(cfg: Config, number: int) -> dict[str, Any]:
-    """Resolved values of every key stage `number`'s output depends on (its upstream's too)."""
+def depends_on(cfg: Config, number: int, own_only: bool = False) -> dict[str, Any]:
+    """Resolved values of every key stage `number`'s output depends on (its upstream's too,
+    unless `own_only`)."""
     out: dict[str, Any] = {}
-    for n in [*all_upstream(number), number]:
+    for n in [number] if own_only else [*all_upstream(number), number]:
         for key, resolve in STAGES[n].keys.items():
             out[key] = resolve(cfg) if resolve is not None else _lookup(cfg.to_dict(), key)
     return json.loads(json.dumps(out))  # tuples -> lists, as a manifest reads back
@@ -156,12 +198,17 @@ def _leaf_diffs(key: str, then: Any, now: Any) -> list[str]:
     if isinstance(then, dict) and isinstance(now, dict):
         return [d for k in sorted(set(then) | set(now))
                 for d in _leaf_diffs(f"{key}.{k}", then.get(k, _ABSENT), now.get(k, _ABSENT))]
-    if then is _ABSENT and now == field_default(key.split(" (")[0]):
-        return []  # a setting added since, whose default is what the output was made with
+    if then is _ABSENT:
+        default = field_default(key.split(" (")[0])
+        if default is NO_DEFAULT or now == default:
+            # a setting added since, whose default is what the output was made with; or a
+            # derived fact tracked since (data file digests), which an older output cannot be
+            # judged by
+            return []
     if then == now:
         return []
-    show = lambda v: "absent" if v is _ABSENT else repr(v)  # noqa: E731
-    return [f"{key}: {show(then)} there, {show(now)} now"]
+    text = lambda v: "absent" if v is _ABSENT else show(v)  # noqa: E731
+    return [f"{key}: {text(then)} there, {text(now)} now"]
 
 
 def config_changes(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
@@ -295,8 +342,9 @@ def safetensors_header(path: Path) -> Optional[dict[str, Any]]:
 
 def verify_files(root: Path, records: dict[str, dict[str, Any]], mode: str) -> list[str]:
     """One line per file under `root` that no longer matches its record; [] when all do.
-    `mode` is `run.verify`: `sha256` reads every byte (hashed on a few threads), `size` only
-    compares sizes."""
+    `mode` is `run.verify`: `sha256` reads every byte (hashed on a few threads), `size`
+    compares the sizes of large files and still hashes small ones (the vocabulary map, configs,
+    pointers: a flipped bit there costs a whole run, and hashing them costs nothing)."""
     def check(item: tuple[str, dict[str, Any]]) -> Optional[str]:
         name, rec = item
         path = root / name
@@ -306,7 +354,8 @@ def verify_files(root: Path, records: dict[str, dict[str, Any]], mode: str) -> l
         if size != rec["bytes"]:
             return f"{name}: {size} bytes, {rec['bytes']} when it was written (truncated or " \
                    f"replaced)"
-        if mode == "sha256" and file_sha256(path) != rec["sha256"]:
+        if (mode == "sha256" or size <= ALWAYS_HASHED_BYTES) and \
+                file_sha256(path) != rec["sha256"]:
             return f"{name}: content differs from when it was written (sha256 mismatch)"
         return None
 
@@ -317,6 +366,12 @@ def verify_files(root: Path, records: dict[str, dict[str, Any]], mode: str) -> l
 
 # ---------------------------------------------------------------------------------------------
 # Stages and manifests
+
+
+def output_digest(manifest: dict[str, Any]) -> str:
+    """One sha256 for what a finished stage produced (see `Stage.upstream_hash`)."""
+    made = manifest.get("files") or manifest.get("outputs") or {}
+    return hashlib.sha256(json.dumps(made, sort_keys=True).encode()).hexdigest()
 
 
 def _versions() -> dict[str, str]:
@@ -369,7 +424,8 @@ class Stage:
         return self.dir / MANIFEST
 
     def command(self, flag: str = "") -> str:
-        return f"python {self.script} {self.cfg.source}" + (f" {flag}" if flag else "")
+        """The command line that runs this stage with this config and its overrides."""
+        return f"python {self.script} {self.cfg.command_args}" + (f" {flag}" if flag else "")
 
     def is_done(self) -> bool:
         return self.manifest_path.is_file()
@@ -396,19 +452,13 @@ class Stage:
         return verify_files(self.dir, manifest.get("files", {}), mode or self.cfg.run.verify)
 
     def require(self, number: int) -> dict[str, Any]:
-        """Upstream stage `number`'s manifest, checked: complete, made with this config, files
-        intact (checked once per process, by rank 0). Otherwise one line naming the fix."""
+        """Upstream stage `number`'s manifest, checked: complete, made with this config, up to
+        date with the stages it read, files intact (checked once per process, by rank 0).
+        Otherwise one line naming the first stage of the chain to redo, and the command."""
+        for n in [*all_upstream(number), number]:
+            self.upstream(n).raise_if_behind()
         up = self.upstream(number)
-        if not up.is_done():
-            raise StageError(f"{up.name} is not complete in {self.cfg.run_dir}: run "
-                             f"`{up.command()}` first")
         manifest = up.manifest()
-        changes = up.changes(manifest)
-        if changes:
-            fix = up.command() if up.spec.resume_on_change else up.command("--restart")
-            more = f" (and {len(changes) - 1} more)" if len(changes) > 1 else ""
-            raise StageError(f"{up.name} was made with another config ({changes[0]}{more}): "
-                             f"rerun `{fix}`, or fix the config")
         if number not in self._verified and is_rank0():
             up.raise_damage(up.damage(manifest, "size" if self.hash_by_ranks else None))
             if not self.hash_by_ranks:
@@ -435,12 +485,47 @@ class Stage:
             self._verified.add(number)
 
     def upstream_hash(self, number: int) -> str:
-        return file_sha256(self.upstream(number).manifest_path)
+        """What upstream stage `number` produced, as one digest: of its files' records (or, for
+        a stage without files, its outputs), not of its manifest's bytes, so that a no-op
+        --repair (new timings) leaves every later stage up to date."""
+        return output_digest(self.upstream(number).manifest())
+
+    def out_of_date(self, manifest: dict[str, Any]) -> Optional[str]:
+        """The upstream stage redone after `manifest` was written (its output differs from the
+        one recorded), or None. A manifest from before upstream digests were recorded is taken
+        as up to date."""
+        recorded = manifest.get("upstream")
+        if recorded is None:
+            return None
+        for n in self.spec.upstream:
+            up = self.upstream(n)
+            if up.is_done() and recorded.get(up.name) != output_digest(up.manifest()):
+                return up.name
+        return None
+
+    def raise_if_behind(self) -> None:
+        """For a stage another one reads: one line naming the fix when it is missing, made with
+        another config, or older than an upstream stage redone since."""
+        if not self.is_done():
+            raise StageError(f"{self.name} is not complete in {self.cfg.run_dir}: run "
+                             f"`{self.command()}` first")
+        manifest = self.manifest()
+        fix = self.command() if self.spec.resume_on_change else self.command("--restart")
+        changes = self.changes(manifest)
+        if changes:
+            more = f" (and {len(changes) - 1} more)" if len(changes) > 1 else ""
+            raise StageError(f"{self.name} was made with another config ({changes[0]}{more}): "
+                             f"rerun `{fix}`, or fix the config")
+        redone = self.out_of_date(manifest)
+        if redone is not None:
+            raise StageError(f"{self.name} is out of date: {redone} was redone after it was "
+                             f"made; rerun `{fix}`, then the stages after it")
 
     def check_done(self) -> bool:
-        """True when this stage already finished with this config and its files are intact
-        (nothing to do). A stale output is an error (or, for stages that resume on change,
-        simply not done); a damaged one names --repair."""
+        """True when this stage already finished with this config, after the output of every
+        stage it read, and its files are intact (nothing to do). A stale output (another
+        config, or an upstream redone since) is an error, or for stages that resume on change
+        simply not done; a damaged one names --repair."""
         if not self.is_done():
             return False
         manifest = self.manifest()
@@ -452,6 +537,14 @@ class Stage:
             raise StageError(f"{self.name} already exists with another config ({changes[0]}"
                              f"{more}): add --restart to redo it (the old output is moved "
                              f"aside)")
+        redone = self.out_of_date(manifest)
+        if redone is not None:
+            if self.spec.resume_on_change:
+                log.info("%s: %s was redone after it was made; redoing what depends on it",
+                         self.name, redone)
+                return False
+            raise StageError(f"{self.name} is out of date: {redone} was redone after it was "
+                             f"made; add --restart to redo it (the old output is moved aside)")
         damaged = self.damage(manifest)
         if damaged:
             raise StageError(f"{self.name} is complete but damaged ({len(damaged)} file(s); "
@@ -480,6 +573,9 @@ class Stage:
             "config": self.cfg.to_dict(),
             "config_file": self.cfg.source,
             "depends_on": depends_on(self.cfg, self.number),
+            "overrides": list(self.cfg.overrides),
+            "upstream": {STAGES[n].dirname: self.upstream_hash(n) for n in self.spec.upstream
+                         if self.upstream(n).is_done()},
             "inputs": inputs,
             "outputs": outputs,
             "counts": counts,

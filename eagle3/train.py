@@ -36,7 +36,7 @@ from eagle3.config import Config, VerifierInfo
 from eagle3.formats import ExportContext, speculators_config
 from eagle3.model import DraftModelConfig, Eagle3DraftModel
 from eagle3.runs import (Stage, StageError, atomic_write_json, atomic_write_text,
-                         clean_stale_tmp, is_rank0)
+                         clean_stale_tmp, config_changes, depends_on, is_rank0)
 from eagle3.shards import HiddenStates, pack
 from eagle3.teacher import TeacherCache, VerifierHead
 from eagle3.ttt import StepStats, TTTObjective, TTTSpec, prepare_batch, ttt_forward
@@ -460,7 +460,7 @@ def _load_latest(t: Trainer) -> Optional[ckpt.Checkpoint]:
     if ctx.is_main:
         stage.dir.mkdir(parents=True, exist_ok=True)
         clean_stale_tmp(stage.dir)
-        ckpt.latest_intact(stage.dir, stage.cfg.run.verify)  # moves damaged ones aside
+        ckpt.check_kept(stage.dir, stage.cfg.run.verify, _val_scores(stage.dir / "metrics.jsonl"))
     dist.barrier()
     steps = ckpt.step_dirs(stage.dir)
     if not steps:
@@ -472,6 +472,7 @@ def _load_latest(t: Trainer) -> Optional[ckpt.Checkpoint]:
         raise StageError(f"{saved.path} was trained with another draft shape or aux ids "
                          f"({diff or saved.aux_layer_ids}); rerun 04_train.py --restart to start "
                          f"over")
+    _check_recipe(stage, saved)
     world = saved.trainer_state["world_size"]
     if world != ctx.world_size:
         raise StageError(f"{saved.path} was written by {world} processes, this run has "
@@ -480,11 +481,31 @@ def _load_latest(t: Trainer) -> Optional[ckpt.Checkpoint]:
     return saved
 
 
+def _check_recipe(stage: Stage, saved: ckpt.Checkpoint) -> None:
+    """A resumed run must continue the recipe it started with: a changed lr or loss would be
+    half applied (the restored scheduler keeps the old schedule) and then claimed for the whole
+    run by the manifest and the model card."""
+    if saved.recipe is None:
+        return  # a checkpoint from before recipes were recorded
+    changes = config_changes(saved.recipe, depends_on(stage.cfg, 4, own_only=True))
+    if changes:
+        more = f" (and {len(changes) - 1} more)" if len(changes) > 1 else ""
+        raise StageError(f"{saved.path.name} was trained with other settings ({changes[0]}"
+                         f"{more}): rerun `{stage.command('--restart')}` to train with the new "
+                         f"ones (the old run is moved aside), or revert the setting to resume")
+
+
 def _restore(t: Trainer, saved: ckpt.Checkpoint) -> None:
     state = saved.trainer_state
     dist.load_optimizer_state(t.optimizer, state["optimizer"], t.params)
     t.scheduler.load_state_dict(state["scheduler"])
     t.state = TrainState(**state["train_state"])
+    best = ckpt.read_pointer(t.stage.dir, "best")
+    if best is not None and best.name != f"step-{t.state.best_step}":
+        # `best` was moved off a damaged checkpoint: later checkpoints compete with it
+        step = int(ckpt.STEP_RE.match(best.name).group(1))
+        t.state.best_step = step
+        t.state.best_metric = _val_scores(t.stage.dir / "metrics.jsonl").get(step, -1.0)
     ckpt.set_rng_state(state["rng"][t.ctx.rank])
     log.info("resumed from %s (step %d, epoch %d, batch %d)", saved.path.name, t.state.step,
              t.state.epoch, t.state.batch_in_epoch)
@@ -650,7 +671,7 @@ def save(t: Trainer, val: dict[str, Any]) -> None:
             str(cfg.verifier_path.resolve()), cfg.verifier_info.architecture,
             cfg.export.speculative_tokens))
         path = ckpt.save(t.stage.dir, state.step, weights, t.model.cfg, aux, spec,
-                         trainer_state)
+                         trainer_state, depends_on(cfg, 4, own_only=True))
         if state.best_step == state.step:
             ckpt.set_best(t.stage.dir, path)
         ckpt.prune(t.stage.dir, t.tc.keep)
@@ -764,6 +785,11 @@ def finish(t: Trainer, started: float) -> None:
     stage, state = t.stage, t.state
     latest = ckpt.step_dirs(stage.dir)[-1][1]
     best = ckpt.read_pointer(stage.dir, "best") or latest
+    for path in {latest, best}:  # nothing enters the manifest that fails its own record
+        problems = ckpt.damage(path, stage.cfg.run.verify)
+        if problems:
+            raise StageError(f"checkpoint {path.name} is damaged ({problems[0]}): rerun "
+                             f"`{stage.command('--repair')}`")
     metrics = stage.dir / "metrics.jsonl"
     final_val = json.loads(metrics.read_text().splitlines()[-1]).get("val")
     _plot_metrics(stage.dir)
@@ -773,7 +799,7 @@ def finish(t: Trainer, started: float) -> None:
         counts={"steps": state.step, "tokens_seen": state.tokens_seen,
                 "train_samples": len(t.train_idx), "val_samples": len(t.val_idx),
                 "trainable_parameters": sum(p.numel() for p in t.params),
-                "best_step": state.best_step, "parallel": t.parallel,
+                "best_step": int(best.name.split("-")[1]), "parallel": t.parallel,
                 "best_val_est_accept_len": state.best_metric, "world_size": t.ctx.world_size,
                 "aux_layer_ids": list(stage.cfg.verifier_info.aux_layer_ids)},
         files=file_records(stage.dir, sorted({latest, best, stage.dir / "best",
@@ -783,6 +809,20 @@ def finish(t: Trainer, started: float) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Metrics files
+
+
+def _val_scores(path: Path) -> dict[int, float]:
+    """step -> validation est_accept_len of every checkpoint step metrics.jsonl records."""
+    scores: dict[int, float] = {}
+    if not path.is_file():
+        return scores
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+            scores[int(record["step"])] = float(record["val"]["est_accept_len"])
+        except (ValueError, KeyError, TypeError):
+            continue  # a line without validation, or cut by a kill
+    return scores
 
 
 def _truncate_metrics(path: Path, step: int) -> None:

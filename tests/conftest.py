@@ -137,6 +137,6 @@ def save_drafter(cfg, model) -> None:
     spec = formats.speculators_config(model.cfg, aux, formats.ExportContext(
         str(cfg.verifier_path), info.architecture))
     path = checkpoint.save(train.dir, 1, model.trainable_state_dict(), model.cfg, aux, spec,
-                           {"world_size": 1})
+                           {"world_size": 1}, recipe={})
     checkpoint.set_best(train.dir, path)
     train.write_manifest(inputs={}, outputs={}, counts={}, started=time.time())

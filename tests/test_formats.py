@@ -309,7 +309,7 @@ def _fake_train_run(tmp_path, tiny_verifier, state=None) -> "object":
     spec = formats.speculators_config(draft, aux, formats.ExportContext(
         str(cfg.verifier_path), info.architecture))
     path = checkpoint.save(s4.dir, 2, make_state(draft) if state is None else state(draft),
-                           draft, aux, spec, {"world_size": 1})
+                           draft, aux, spec, {"world_size": 1}, recipe={})
     checkpoint.set_best(s4.dir, path)
     s4.write_manifest(inputs={}, outputs={}, counts={}, started=time.time())
     return cfg

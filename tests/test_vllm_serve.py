@@ -54,7 +54,7 @@ def test_random_drafter_serves_in_vllm(tmp_path, smollm2):
     spec = formats.speculators_config(draft, aux, formats.ExportContext(
         str(cfg.verifier_path), info.architecture))
     path = checkpoint.save(train.dir, 1, model.trainable_state_dict(), draft, aux, spec,
-                           {"world_size": 1})
+                           {"world_size": 1}, recipe={})
     checkpoint.set_best(train.dir, path)
     train.write_manifest(inputs={}, outputs={}, counts={}, started=time.time())
 
