@@ -7,8 +7,10 @@ aux ids in `eagle_config`), speculators (`layers.N.*`, nested `transformer_layer
 top-level aux ids) and vLLM-style (flat config, `layers.N.*`); weights in model.safetensors, a
 sharded model.safetensors.index.json, or a pytorch_model.bin read with `weights_only`.
 Prefixes that are only packaging (torch.compile's `_orig_mod.`, a wrapper's `model.`) are
-stripped. `check_base` lists every missing, unexpected or mis-shaped tensor, a foreign
-embedding and a different vocabulary map in one error.
+stripped. A tensor with NaN or infinite values is refused at load. `check_base` lists every
+missing, unexpected or mis-shaped tensor, a foreign embedding and a different vocabulary map in
+one error; `verifier_fit_problems`, shared with `05_fix_keys.py --from`, says whether a drafter
+can serve a verifier of a given width and vocabulary at all.
 """
 
 from __future__ import annotations
@@ -22,12 +24,12 @@ from typing import Any, Optional
 import torch
 
 from eagle3.formats import (COMPILE_PREFIX, FORMATS, FormatError, detect_layout,
-                            expected_tensors, rename_key, strip_compile_prefix,
-                            tensor_problems, to_layout, vocab_map_problems)
+                            expected_tensors, rename_key, tensor_problems, to_layout,
+                            vocab_map_problems)
 from eagle3.model import DraftModelConfig
 from eagle3.runs import StageError
-from eagle3.weights_io import (TensorLike, WeightFilesError, load as load_tensor,
-                               max_abs_difference, open_weights)
+from eagle3.weights_io import (LazyTensor, TensorLike, WeightFilesError, all_finite,
+                               load as load_tensor, max_abs_difference, open_weights)
 
 
 class BaseDrafterError(StageError):
@@ -36,6 +38,9 @@ class BaseDrafterError(StageError):
     def __init__(self, path: Path, problems: list[str]):
         self.path = path
         self.problems = problems
+        if len(problems) == 1:  # one line, as every user error of a stage
+            super().__init__(f"base drafter {path} is unusable: {problems[0]}")
+            return
         lines = "\n".join(f"  - {p}" for p in problems)
         super().__init__(f"base drafter {path} is unusable ({len(problems)} problem(s)):\n"
                          f"{lines}")
@@ -77,28 +82,43 @@ class BaseDrafter:
         return fmt.internal_aux_ids(self.aux_layer_ids, target_arch, engine_version)
 
 
-def _read_weights(path: Path, only: Optional[set[str]] = None) -> dict[str, TensorLike]:
-    """The tensors (all, or those named in `only` after dropping packaging prefixes) of a
-    single-file or sharded checkpoint; lazy: nothing is read until used."""
+def _read_weights(path: Path) -> dict[str, TensorLike]:
+    """The tensors of a single-file or sharded checkpoint under their plain names (packaging
+    prefixes dropped); lazy: nothing is read until used."""
     try:
-        tensors = open_weights(path)
+        return normalize_keys(open_weights(path))
     except WeightFilesError as e:
         raise BaseDrafterError(path, e.problems) from None
-    return {k: v for k, v in tensors.items() if only is None or _plain(k) in only}
+    except FormatError as e:
+        raise BaseDrafterError(path, [str(e)]) from None
+
+
+PACKAGING_PREFIXES = (COMPILE_PREFIX, "model.")
+"""torch.compile's `_orig_mod.`, and `model.` of a wrapper: on every key, or, as an HF
+`...ForCausalLM` saves it, on the body (`model.fc.weight`, `model.layers.0.*`) with `lm_head`,
+`d2t` and `t2d` at top level. No drafter tensor of any layout starts with either."""
 
 
 def _plain(key: str) -> str:
-    return key.removeprefix(COMPILE_PREFIX).removeprefix("model.")
+    """`key` without packaging prefixes, nested in either order (`_orig_mod.model.fc.weight`)."""
+    while key.startswith(PACKAGING_PREFIXES):
+        key = next(key.removeprefix(p) for p in PACKAGING_PREFIXES if key.startswith(p))
+    return key
 
 
-def normalize_keys(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Drop packaging prefixes: torch.compile's `_orig_mod.` and a wrapper's `model.` (when
-    every key but `lm_head` carries it, as some trainers save)."""
-    tensors = strip_compile_prefix(tensors)
-    body = [k for k in tensors if not k.startswith("lm_head")]
-    if body and all(k.startswith("model.") for k in body):
-        tensors = {k.removeprefix("model."): v for k, v in tensors.items()}
-    return tensors
+def normalize_keys(tensors: dict[str, TensorLike]) -> dict[str, TensorLike]:
+    """Drop packaging prefixes from every key that carries them. Unambiguous because no drafter
+    tensor starts with one, unless both spellings of a tensor are present: that is refused."""
+    out: dict[str, TensorLike] = {}
+    spelled: dict[str, str] = {}
+    for key, t in tensors.items():
+        plain = _plain(key)
+        if plain in out:
+            first, second = sorted((spelled[plain], key))
+            raise FormatError(f"`{first}` and `{second}` are the same tensor `{plain}` under "
+                              f"packaging prefixes ({', '.join(PACKAGING_PREFIXES)}): keep one")
+        out[plain], spelled[plain] = t, key
+    return out
 
 
 def _has_nested_config(cfg: dict[str, Any]) -> bool:
@@ -137,8 +157,9 @@ def load(path: str | Path) -> BaseDrafter:
     aux ids; `norm_before_residual` defaults to true there, as in speculators and vLLM) and
     vLLM-style (flat config, `layers.N.*`); weights in model.safetensors, a sharded
     model.safetensors.index.json, or pytorch_model.bin. Keys are mapped to our names through
-    `eagle3.formats` and torch.compile's `_orig_mod.` is stripped. Nothing is checked against
-    our config here: that is `check_base`.
+    `eagle3.formats`, packaging prefixes (`_orig_mod.`, `model.`) dropped. Refused here: files
+    that disagree with their index (`weights_io.weight_map`) and non-finite weights. Nothing is
+    checked against our config here: that is `check_base`.
     """
     path = Path(path).expanduser()
     if not path.is_dir():
@@ -150,7 +171,7 @@ def load(path: str | Path) -> BaseDrafter:
         cfg = json.loads(cfg_file.read_text())
     except (OSError, ValueError) as e:
         raise BaseDrafterError(path, [f"config.json is not valid JSON ({e})"]) from None
-    tensors = normalize_keys(_read_weights(path))
+    tensors = _read_weights(path)
     try:
         key_layout = detect_layout(k for k in tensors if k not in ("d2t", "t2d"))
     except FormatError as e:
@@ -173,10 +194,28 @@ def load(path: str | Path) -> BaseDrafter:
         where = "transformer_layer_config" if nested else "config.json"
         raise BaseDrafterError(path, [f"{where} lacks {', '.join(missing)}"])
     shape = _shape(cfg, layer, weights, d2t, t2d, embed, aux)
+    broken = non_finite_problem(tensors)
+    if broken:
+        raise BaseDrafterError(path, [broken])
     return BaseDrafter(
         path=path, layout=layout, weights=weights, d2t=d2t, t2d=t2d, embed=embed, shape=shape,
         aux_layer_ids=None if aux is None else [int(i) for i in aux],
         unsupported_flags=_unsupported(cfg, layer))
+
+
+def non_finite_problem(tensors: dict[str, TensorLike]) -> Optional[str]:
+    """The first tensor with NaN or infinite values, named as its file spells it, with how many
+    more there are; None when all are finite. Such a base would otherwise be found only as a
+    non-finite loss at training's first step, or shipped. Reads every float tensor once, a block
+    of rows at a time."""
+    broken = [(k, t) for k, t in sorted(tensors.items()) if not all_finite(t)]
+    if not broken:
+        return None
+    key, first = broken[0]
+    where = f"`{first.key}` in {first.file.name}" if isinstance(first, LazyTensor) else f"`{key}`"
+    more = f" (and {len(broken) - 1} more tensors)" if len(broken) > 1 else ""
+    return (f"{where} has NaN or infinite values{more}: the drafter's weights are broken; "
+            f"use another checkpoint of it")
 
 
 def _shape(cfg: dict[str, Any], layer: dict[str, Any], weights: dict[str, TensorLike],
@@ -251,7 +290,7 @@ def candidate_aux_ids(written: list[int], num_layers: int) -> dict[str, list[int
 def load_vocab(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     """Only the (d2t, t2d) of a base drafter, read without loading its other weights."""
     path = Path(path).expanduser()
-    tensors = {_plain(k): v for k, v in _read_weights(path, only={"d2t", "t2d"}).items()}
+    tensors = _read_weights(path)
     missing = [k for k in ("d2t", "t2d") if k not in tensors]
     if missing:
         raise BaseDrafterError(path, [f"`{k}` missing: the base's vocabulary map is unknown"
@@ -289,9 +328,11 @@ def _config_problems(base: BaseDrafter, draft_cfg: DraftModelConfig,
                      allow_remap: bool) -> list[str]:
     """The config facts no tensor shape shows: heads, head_dim, norm placement, eps, theta."""
     problems = [f"config: {u}" for u in base.unsupported_flags]
-    facts = ["hidden_size", "target_hidden_size", "num_aux", "intermediate_size",
-             "num_attention_heads", "num_key_value_heads", "head_dim", "num_layers",
-             "vocab_size"] + ([] if allow_remap else ["draft_vocab_size"])
+    # Our drafter's widths and vocabulary are the verifier's (stage 04 derives them from it).
+    problems += verifier_fit_problems(base.shape, draft_cfg.target_hidden_size,
+                                      draft_cfg.vocab_size)
+    facts = ["num_aux", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+             "head_dim", "num_layers"] + ([] if allow_remap else ["draft_vocab_size"])
     for name in facts:
         want, got = getattr(draft_cfg, name), getattr(base.shape, name)
         if want != got:
@@ -307,6 +348,33 @@ def _config_problems(base: BaseDrafter, draft_cfg: DraftModelConfig,
                             f"{getattr(draft_cfg, name)} (build it with "
                             f"finetune_draft_config)")
 
+    return problems
+
+
+def verifier_fit_problems(shape: DraftModelConfig, verifier_hidden: Optional[int],
+                          verifier_vocab: Optional[int]) -> list[str]:
+    """Why a drafter of `shape` cannot serve a verifier `verifier_hidden` wide with
+    `verifier_vocab` tokens ([] when it can), for stage 04's base and `05_fix_keys.py --from`
+    alike. Engines give the drafter the verifier's embedding (our exports ship none), so its
+    hidden size must be the verifier's; it reads the verifier's aux states, so its
+    `target_hidden_size` must be too. Without a verifier (None) only the two must agree."""
+    problems = []
+    if verifier_hidden is None and shape.hidden_size != shape.target_hidden_size:
+        problems.append(f"the drafter is {shape.hidden_size} wide (hidden_size) but reads "
+                        f"{shape.target_hidden_size}-wide verifier states "
+                        f"(target_hidden_size): engines give it the verifier's "
+                        f"{shape.target_hidden_size}-wide embedding, which it cannot take")
+    if verifier_hidden is not None and shape.hidden_size != verifier_hidden:
+        problems.append(f"the drafter is {shape.hidden_size} wide (hidden_size), the verifier "
+                        f"{verifier_hidden}: engines give it the verifier's {verifier_hidden}-"
+                        f"wide embedding; it was made for another verifier")
+    if verifier_hidden is not None and shape.target_hidden_size != verifier_hidden:
+        problems.append(f"the drafter reads {shape.target_hidden_size}-wide verifier states "
+                        f"(target_hidden_size), the verifier's are {verifier_hidden} wide: it "
+                        f"was made for another verifier")
+    if verifier_vocab is not None and shape.vocab_size != verifier_vocab:
+        problems.append(f"the drafter's vocabulary has {shape.vocab_size} tokens (vocab_size), "
+                        f"the verifier's {verifier_vocab}: it was made for another verifier")
     return problems
 
 

@@ -144,6 +144,7 @@ def _problems(base: base_drafter.BaseDrafter, maps: tuple[torch.Tensor, torch.Te
     expected.pop("d2t"), expected.pop("t2d"), expected.pop("lm_head.weight")
     problems += formats.tensor_problems(expected, present)
     if verifier is None:
+        problems += base_drafter.verifier_fit_problems(shape, None, None)
         unchecked += ["the embedding against the verifier's (no --verifier)",
                       "vocabulary size, hidden size and aux layers against the verifier "
                       "(no --verifier)"]
@@ -156,10 +157,8 @@ def _problems(base: base_drafter.BaseDrafter, maps: tuple[torch.Tensor, torch.Te
     text = text_config(read_verifier_config(Path(verifier)))
     vocab, hidden, layers = (text.get(k) for k in ("vocab_size", "hidden_size",
                                                    "num_hidden_layers"))
-    if (shape.vocab_size, shape.target_hidden_size) != (vocab, hidden):
-        problems.append(f"the drafter is for vocab {shape.vocab_size} / hidden "
-                        f"{shape.target_hidden_size}, the verifier has {vocab} / {hidden}: "
-                        f"another verifier's drafter")
+    # The check stage 04 makes of a --finetune-from base, so both refuse the same drafters.
+    problems += base_drafter.verifier_fit_problems(shape, hidden, vocab)
     bad = [i for i in internal if not 1 <= i <= (layers or 0)]
     if bad:
         problems.append(f"aux layers {bad} outside the verifier's 1..{layers}")

@@ -23,7 +23,8 @@ import torch
 
 from eagle3.config import Config, expand_path
 from eagle3.runs import StageError, safetensors_header
-from eagle3.weights_io import LazyTensor, WeightFilesError, open_file
+from eagle3.weights_io import (LazyTensor, WeightFilesError, listed_files, open_file,
+                               weight_map)
 
 # End-of-turn tokens of common templates. With the tokenizer's EOS and the generation config's
 # EOS ids they are the ids that close an assistant turn (those the tokenizer knows as tokens).
@@ -128,45 +129,35 @@ LAYER_PREFIXES = ["model.", "language_model.model.", "model.language_model."]
 
 
 def weight_files(verifier: Path) -> dict[str, Path]:
-    """Tensor name -> safetensors file, for single-file and sharded checkpoints."""
+    """Tensor name -> the safetensors file that holds it, for single-file and sharded
+    checkpoints: `weights_io.weight_map`, the map every reader of a weights directory uses (the
+    index's, checked against what the shards hold)."""
     index = verifier / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError):
-            raise StageError(f"{index} is not a valid safetensors index (no weight_map): "
-                             f"restore the verifier's files") from None
-        return {k: verifier / v for k, v in weight_map.items()}
-    single = verifier / "model.safetensors"
-    if not single.is_file():
+    if not index.is_file() and not any(verifier.glob("*.safetensors")):
         bins = sorted(p.name for p in verifier.glob("*.bin"))
         hint = (f" (it has {bins[0]}: save the model with safetensors)" if bins else
                 " (download the weights, or fix verifier.path)")
         raise StageError(f"verifier {verifier} has no model.safetensors or "
                          f"model.safetensors.index.json{hint}")
-    return {k: single for k in _safetensors_keys(single)}
+    try:
+        return weight_map(verifier)
+    except WeightFilesError as e:
+        raise StageError(f"verifier {verifier}: {e.problems[0]}") from None
 
 
 def check_weights(verifier: Path) -> None:
     """Every weight file of the verifier is present and whole (headers only: seconds even for
-    64 shards), so a truncated download fails here with its name, not deep in a loader."""
-    for file in sorted(set(weight_files(verifier).values())):
-        if not file.is_file():
-            raise StageError(f"verifier shard {file} (named in the index) is missing: restore "
-                             f"the verifier's files")
+    64 shards), so a truncated download fails here with its name, not deep in a loader; and its
+    index agrees with its shards (`weight_files`)."""
+    try:
+        files = listed_files(verifier)
+    except WeightFilesError:
+        files = []  # no weights, a bad index or a missing shard: weight_files names it
+    for file in files:
         if safetensors_header(file) is None:
             raise StageError(f"verifier weights {file} are truncated or damaged (the header "
                              f"does not match the file size): restore the file")
-
-
-def _safetensors_keys(path: Path) -> list[str]:
-    from safetensors import safe_open
-    try:
-        with safe_open(str(path), "pt") as f:
-            return list(f.keys())
-    except Exception as e:  # safetensors raises its own error type for a bad header
-        raise StageError(f"verifier weights {path} are unreadable ({_first_line(e)}): the file "
-                         f"is truncated or damaged; restore it") from None
+    weight_files(verifier)
 
 
 def read_tensor(verifier: Path, what: str) -> torch.Tensor:
@@ -194,8 +185,6 @@ def lazy_tensor(verifier: Path, what: str) -> LazyTensor:
         names = TENSOR_NAMES[what] + (TENSOR_NAMES["embed"] if what == "lm_head" else [])
     for name in names:
         if name in files:
-            if not files[name].is_file():
-                raise StageError(f"verifier shard {files[name]} (named in the index) is missing")
             try:
                 return open_file(files[name])[name]
             except WeightFilesError as e:

@@ -11,11 +11,15 @@ range with `rows()`); `write_safetensors` writes the header from shapes alone an
 tensor's bytes in turn, so a conversion holds one tensor at a time.
 
 Reads model.safetensors, a sharded model.safetensors.index.json, and pytorch_model.bin (or its
-index) through `torch.load(weights_only=True, mmap=True)`: tensors and containers only.
+index) through `torch.load(weights_only=True, mmap=True)`: tensors and containers only. Every
+reader of a directory of weights (base drafters, `05_fix_keys.py --from`, the verifier) gets
+its key -> file map from `weight_map`, which takes each key from the file the index names and
+refuses a directory whose files and index disagree.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pickle
@@ -26,9 +30,6 @@ from typing import Any, Mapping, Optional, Union
 
 import torch
 from safetensors import safe_open
-
-WEIGHT_CANDIDATES = ("model.safetensors.index.json", "model.safetensors",
-                     "pytorch_model.bin.index.json", "pytorch_model.bin")
 
 # safetensors dtype names (the format's spec) <-> torch dtypes
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
@@ -107,32 +108,174 @@ def max_abs_difference(a: TensorLike, b: TensorLike, block_bytes: int = 256 << 2
     return worst
 
 
-def weight_file(path: Path) -> Optional[Path]:
-    """The weights entry point of a drafter directory, or None."""
-    return next((path / n for n in WEIGHT_CANDIDATES if (path / n).is_file()), None)
+INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def weight_map(path: Path) -> dict[str, Path]:
+    """Key -> the one file that holds it, for a directory of weights, checked against what
+    every file holds (headers only).
+
+    With an index (model.safetensors.index.json; pytorch_model.bin.index.json where there is
+    no *.safetensors file) its `weight_map` decides. vLLM and SGLang load every key of every
+    file the index names, the last file read winning, so a stale copy of a key in another shard
+    is what they serve while transformers reads the mapped one: refused, in one line naming the
+    file and the key, are a key in two files, a key a shard holds but the index does not map, a
+    key mapped to a file that does not hold it, and an index naming a missing file. Without an
+    index every *.safetensors file is read, as the engines do (else pytorch_model.bin), and a
+    key in two of them is refused the same way. Cached per state of the directory: a 64-shard
+    verifier's headers are read once per process, not once per tensor looked up.
+    """
+    found = [_stat(f) for f in sorted(path.iterdir()) if f.is_file()] if path.is_dir() else []
+    return dict(_checked_map(path, tuple(found)))
+
+
+def _stat(file: Path) -> tuple[str, int, int, int]:
+    """What changes when a file is rewritten, in place (size, mtime) or replaced (inode)."""
+    st = file.stat()
+    return file.name, st.st_size, st.st_mtime_ns, st.st_ino
+
+
+@functools.lru_cache(maxsize=8)
+def _checked_map(path: Path, state: tuple) -> dict[str, Path]:
+    """`weight_map` for one state of the directory (`state`, its files' `_stat`s, only keys
+    the cache)."""
+    index = _index_of(path)
+    mapped = _read_index(index) if index else None
+    held = {file: _keys_of(file) for file in _files(path, mapped)}
+    problem = _duplicate_problem(held, mapped)
+    if mapped is not None:
+        problem = problem or _unmapped_problem(held, mapped, index) or _unheld_problem(
+            held, mapped, index)
+    if problem:
+        raise WeightFilesError([problem])
+    return mapped if mapped is not None else {k: f for f, keys in held.items() for k in keys}
+
+
+def listed_files(path: Path) -> list[Path]:
+    """The files a reader of the directory reads: those its index names (each must exist),
+    else `_unindexed_files`. Nothing but the index is read."""
+    index = _index_of(path)
+    return _files(path, _read_index(index) if index else None)
+
+
+def _index_of(path: Path) -> Optional[Path]:
+    """Safetensors first, as the engines read them: their index, else (no *.safetensors file)
+    the pickled checkpoint's index."""
+    if (path / INDEX_NAMES[0]).is_file():
+        return path / INDEX_NAMES[0]
+    if (path / INDEX_NAMES[1]).is_file() and not any(path.glob("*.safetensors")):
+        return path / INDEX_NAMES[1]
+    return None
+
+
+def _files(path: Path, mapped: Optional[dict[str, Path]]) -> list[Path]:
+    return sorted(set(mapped.values())) if mapped is not None else _unindexed_files(path)
+
+
+def _read_index(index: Path) -> dict[str, Path]:
+    """The index's key -> file map; every file it names must exist."""
+    try:
+        names = json.loads(index.read_text())["weight_map"]
+        mapped = {str(k): index.parent / str(v) for k, v in names.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise WeightFilesError([f"{index.name} is not a valid index (no weight_map)"]) from None
+    absent = {}
+    for key, file in sorted(mapped.items()):
+        if not file.is_file():
+            absent.setdefault(file, []).append(key)
+    if absent:
+        file, keys = next(iter(absent.items()))
+        raise WeightFilesError([f"{index.name} maps `{keys[0]}`{_more(keys)} to {file.name}, "
+                                f"which is missing: restore the shard or the whole directory"])
+    return mapped
+
+
+def _unindexed_files(path: Path) -> list[Path]:
+    """What a directory without an index holds: every *.safetensors file (engines load them
+    all), else pytorch_model.bin."""
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    if not files and (path / "pytorch_model.bin").is_file():
+        files = [path / "pytorch_model.bin"]
+    if not files:
+        raise WeightFilesError([f"no weights: expected model.safetensors, *.safetensors "
+                                f"shards, pytorch_model.bin, or one of {', '.join(INDEX_NAMES)}"])
+    return files
+
+
+def _keys_of(file: Path) -> set[str]:
+    """The keys one file holds."""
+    if file.suffix == ".safetensors":  # the header alone, without a LazyTensor per key
+        try:
+            with safe_open(str(file), "pt") as f:
+                return set(f.keys())
+        except Exception as e:  # safetensors raises its own types for a damaged file
+            raise WeightFilesError([f"{file.name} is unreadable ({type(e).__name__}: "
+                                    f"{str(e)[:160]}): truncated or damaged"]) from None
+    return set(open_file(file))
+
+
+def _duplicate_problem(held: dict[Path, set[str]], mapped: Optional[dict[str, Path]]
+                       ) -> Optional[str]:
+    owners: dict[str, list[Path]] = {}
+    for file, keys in held.items():
+        for key in keys:
+            owners.setdefault(key, []).append(file)
+    twice = sorted(k for k, files in owners.items() if len(files) > 1)
+    if not twice:
+        return None
+    key = twice[0]
+    first, second = owners[key][:2]
+    where = (f"; the index maps it to {mapped[key].name}" if mapped and key in mapped else "")
+    return (f"`{key}`{_more(twice)} is in two files, {first.name} and {second.name}{where}: "
+            f"engines load both and keep whichever they read last; delete the stale copy")
+
+
+def _unmapped_problem(held: dict[Path, set[str]], mapped: dict[str, Path], index: Path
+                      ) -> Optional[str]:
+    for file, keys in held.items():
+        extra = sorted(k for k in keys if k not in mapped)
+        if extra:
+            return (f"{file.name} holds `{extra[0]}`{_more(extra)}, which {index.name} does not "
+                    f"map: the index is stale; fix it or remove the tensor")
+    return None
+
+
+def _unheld_problem(held: dict[Path, set[str]], mapped: dict[str, Path], index: Path
+                    ) -> Optional[str]:
+    lost = sorted(k for k, file in mapped.items() if k not in held[file])
+    if not lost:
+        return None
+    return (f"{index.name} maps `{lost[0]}`{_more(lost)} to {mapped[lost[0]].name}, which does "
+            f"not hold it: the shard is incomplete or the index stale; restore the files")
+
+
+def _more(keys: list[str]) -> str:
+    return f" (and {len(keys) - 1} more)" if len(keys) > 1 else ""
 
 
 def open_weights(path: Path) -> dict[str, LazyTensor]:
-    """Every tensor of a single-file or sharded checkpoint directory, by its key in the file,
+    """Every tensor of a directory of weights, each from the file `weight_map` assigns it,
     without reading any data."""
-    found = weight_file(path)
-    if found is None:
-        raise WeightFilesError([f"no weights: expected one of {', '.join(WEIGHT_CANDIDATES)}"])
-    if found.name.endswith(".index.json"):
-        try:
-            weight_map = json.loads(found.read_text())["weight_map"]
-            files = sorted({path / name for name in weight_map.values()})
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            raise WeightFilesError([f"{found.name} is not a valid index (no weight_map)"]
-                                   ) from None
-    else:
-        files = [found]
-    out: dict[str, LazyTensor] = {}
-    for file in files:
-        if not file.is_file():
-            raise WeightFilesError([f"shard {file.name} named in the index is missing"])
-        out.update(open_file(file))
-    return out
+    owner = weight_map(path)
+    opened = {file: open_file(file) for file in sorted(set(owner.values()))}
+    return {key: opened[file][key] for key, file in owner.items()}
+
+
+def all_finite(t: TensorLike, block_bytes: int = 256 << 20) -> bool:
+    """Whether a float tensor holds no NaN or infinity, reading a block of rows at a time (a
+    Kimi-size embedding is 2 GB)."""
+    if not t.is_floating_point():
+        return True
+    n = t.shape[0] if t.dim() else 1
+    row_bytes = max(1, _numel(t.shape[1:]) * t.dtype.itemsize)
+    step = max(1, block_bytes // row_bytes)
+    for start in range(0, n, step):
+        x = rows(t, start, start + step) if t.dim() else load(t)
+        if x.element_size() == 1:  # float8: isfinite has no kernel for it on every build
+            x = x.float()
+        if not bool(torch.isfinite(x).all()):
+            return False
+    return True
 
 
 def open_file(file: Path) -> dict[str, LazyTensor]:
