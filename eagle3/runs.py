@@ -344,7 +344,8 @@ def verify_files(root: Path, records: dict[str, dict[str, Any]], mode: str) -> l
     """One line per file under `root` that no longer matches its record; [] when all do.
     `mode` is `run.verify`: `sha256` reads every byte (hashed on a few threads), `size`
     compares the sizes of large files and still hashes small ones (the vocabulary map, configs,
-    pointers: a flipped bit there costs a whole run, and hashing them costs nothing)."""
+    pointers: a flipped bit there costs a whole run, and hashing them costs nothing).
+    `sizes` compares sizes only: the first pass of a check whose hashing is split over ranks."""
     def check(item: tuple[str, dict[str, Any]]) -> Optional[str]:
         name, rec = item
         path = root / name
@@ -354,8 +355,8 @@ def verify_files(root: Path, records: dict[str, dict[str, Any]], mode: str) -> l
         if size != rec["bytes"]:
             return f"{name}: {size} bytes, {rec['bytes']} when it was written (truncated or " \
                    f"replaced)"
-        if (mode == "sha256" or size <= ALWAYS_HASHED_BYTES) and \
-                file_sha256(path) != rec["sha256"]:
+        hashed = mode == "sha256" or (mode == "size" and size <= ALWAYS_HASHED_BYTES)
+        if hashed and file_sha256(path) != rec["sha256"]:
             return f"{name}: content differs from when it was written (sha256 mismatch)"
         return None
 
@@ -460,7 +461,7 @@ class Stage:
         up = self.upstream(number)
         manifest = up.manifest()
         if number not in self._verified and is_rank0():
-            up.raise_damage(up.damage(manifest, "size" if self.hash_by_ranks else None))
+            up.raise_damage(up.damage(manifest, "sizes" if self.hash_by_ranks else None))
             if not self.hash_by_ranks:
                 self._verified.add(number)
         return manifest

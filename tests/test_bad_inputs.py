@@ -127,7 +127,8 @@ def test_answers_cut_by_batch_tokens_are_refused_at_start(prepared, tmp_path):
 def test_a_second_run_of_a_stage_and_a_redo_of_its_upstream_are_refused(prepared, tmp_path):
     cfg = copy_run(prepared, tmp_path)
     log = open(tmp_path / "first.log", "w")
-    first = subprocess.Popen([sys.executable, "04_train.py", cfg.source, "train.epochs=400"],
+    long = ["train.epochs=400", "train.max_steps=300"]
+    first = subprocess.Popen([sys.executable, "04_train.py", cfg.source, *long],
                              cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"},
                              stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -136,7 +137,7 @@ def test_a_second_run_of_a_stage_and_a_redo_of_its_upstream_are_refused(prepared
             assert first.poll() is None and time.time() < deadline, \
                 (tmp_path / "first.log").read_text()
             time.sleep(0.2)
-        msg = one_line_error(run("04_train.py", cfg, "train.epochs=400"))
+        msg = one_line_error(run("04_train.py", cfg, *long))
         assert "04_train is already being run by another process (pid" in msg
         msg = one_line_error(run("02_extract_hidden_states.py", cfg, "--restart"))
         assert "02_hidden_states is being read by a running 04_train" in msg
@@ -145,7 +146,7 @@ def test_a_second_run_of_a_stage_and_a_redo_of_its_upstream_are_refused(prepared
         os.kill(first.pid, signal.SIGKILL)
         first.wait()
     # The OS dropped the killed process's locks: the run resumes at once.
-    out = run("04_train.py", cfg, "train.epochs=400", "train.max_steps=4")
+    out = run("04_train.py", cfg, *long)
     assert out.returncode == 0 and "resumed from step-" in out.stdout, out.stderr[-2000:]
 
 
@@ -279,7 +280,7 @@ def test_run_pipeline_reads_a_relative_config_and_checks_from_stage(prepared, tm
     out = subprocess.run(["bash", script, "config.yaml", "6"], cwd=tmp_path,
                          capture_output=True, text=True)
     # The config was found (relative to the caller) and stage 06 names its missing upstream.
-    assert out.returncode == 2 and "05_export is not complete" in out.stderr, out.stderr
+    assert out.returncode == 2 and "04_train is not complete" in out.stderr, out.stderr
     assert cfg.source.endswith("config.yaml")
 
 

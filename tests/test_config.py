@@ -206,3 +206,58 @@ def test_unreadable_rope_fails_loudly(tmp_path, rope, message):
     (d / "config.json").write_text(json.dumps({**raw, **rope}))
     with pytest.raises(ConfigError, match=message):
         read_verifier_info(VerifierConfig(path=str(d)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Hostile values: each refused in one short line
+
+
+def test_a_yaml_alias_bomb_is_refused_without_expanding_it(tmp_path):
+    levels = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"] + [
+        f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 9)]
+    (tmp_path / "bomb.yaml").write_text("\n".join(levels) + "\nrun: {name: *a8}\n")
+    with pytest.raises(ConfigError, match="expands to more than 100,000 values") as e:
+        load_config(tmp_path / "bomb.yaml")
+    assert len(str(e.value)) < 300
+
+
+def test_values_in_errors_are_printed_bounded(tmp_path):
+    raw = base(tmp_path)
+    raw["train"] = {"lr": "x" * 1_000_000}
+    with pytest.raises(ConfigError) as e:
+        config_from_dict(raw)
+    assert "train.lr: must be a number" in str(e.value) and len(str(e.value)) < 200
+
+
+@pytest.mark.parametrize("name", ["../x", "/abs/path", "a/b", "..", "", "x" * 101])
+def test_run_name_is_one_folder(tmp_path, name):
+    with pytest.raises(ConfigError, match="run.name: .* is not a folder name"):
+        config_from_dict(base(tmp_path, run={"name": name}))
+
+
+@pytest.mark.parametrize("override", ["generate.temperature=.nan", "train.lr=.inf",
+                                      "bench.temperature=[0, .nan]", "train.lr=nan"])
+def test_non_finite_numbers_are_refused(tmp_path, override):
+    with pytest.raises(ConfigError, match="must be a finite number"):
+        load_config(write(tmp_path, base(tmp_path)), [override])
+
+
+def test_an_empty_export_format_list_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="export.formats: give at least one"):
+        config_from_dict(base(tmp_path, export={"formats": []}))
+
+
+def test_a_misspelled_chat_template_names_the_setting(tmp_path):
+    from eagle3.runs import depends_on
+    cfg = config_from_dict(base(tmp_path, verifier={"chat_template": str(tmp_path / "nope.jinja")}))
+    with pytest.raises(ConfigError, match="verifier.chat_template: no file at .*nope.jinja"):
+        depends_on(cfg, 6)
+
+
+def test_overrides_are_kept_for_the_commands_messages_suggest(tmp_path):
+    from eagle3.runs import Stage
+    cfg = load_config(write(tmp_path, base(tmp_path)), ["train.lr=0.01",
+                                                        "data.system_prompt=Be brief."])
+    assert Stage(cfg, 2).command("--restart") == (
+        f"python 02_extract_hidden_states.py {cfg.source} train.lr=0.01 "
+        f"'data.system_prompt=Be brief.' --restart")

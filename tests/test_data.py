@@ -518,3 +518,16 @@ def test_id_masks_equal_offset_masks_on_the_demo_data(tokenizer):
             tokenize_conversation(tokenizer, msgs, method="offsets"), row["id"]
         checked += 1
     assert checked > 850
+
+
+def test_a_bad_byte_or_a_deeply_nested_row_is_one_named_bad_record(tmp_path):
+    from eagle3.data import _iter_json_rows
+    rows = tmp_path / "rows.jsonl"
+    rows.write_bytes(b'{"prompt": "fine"}\n{"prompt": "caf\xe9"}\n' + b"[" * 5000 + b"\n")
+    got = list(_iter_json_rows(rows))
+    assert got[0] == {"prompt": "fine"}
+    assert got[1].where.endswith("rows.jsonl:2") and "not UTF-8" in got[1].reason
+    assert got[2].where.endswith("rows.jsonl:3") and "nested deeper" in got[2].reason
+    array = tmp_path / "rows.json"
+    array.write_bytes(b'[{"prompt": "fine"}, ' + b"[" * 5000 + b"]")
+    assert "nested deeper" in list(_iter_json_rows(array))[1].reason

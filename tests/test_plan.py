@@ -81,3 +81,13 @@ def test_memory_verdict_is_a_skip_without_a_gpu_size(tmp_path, tiny_verifier, me
     from eagle3.plan import memory_verdict, training_memory
     cfg = make_config(tmp_path, tiny_verifier)
     assert memory_verdict(cfg, training_memory(cfg, cfg.verifier_info)).ok is None
+
+
+def test_a_plan_with_a_failed_check_exits_2(tmp_path, tiny_verifier, memory_fit, capsys):
+    """A script running `python -m eagle3.plan` must not read [FAIL] lines as a pass."""
+    from eagle3.plan import main
+    cfg = make_config(tmp_path, tiny_verifier, train={"batch_tokens": 4096})
+    assert main([cfg.source, "plan.gpu_memory_gb=0.05"]) == 2
+    out = capsys.readouterr()
+    assert "[FAIL]" in out.out and "error: the plan fails 1 check(s)" in out.err
+    assert main([cfg.source]) == 0

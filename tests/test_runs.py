@@ -98,3 +98,13 @@ def test_a_setting_added_since_keeps_old_outputs_valid_at_its_default():
         "train.loss: absent there, 'lk_lambda' now"]
     assert config_changes({"train": {"lr": 1e-3, "loss": "kl"}}, {"train": {"lr": 1e-3}}) == [
         "train.loss: 'kl' there, absent now"]
+
+
+def test_small_files_are_hashed_even_when_only_sizes_are_checked(tmp_path):
+    from eagle3.runs import file_records, verify_files
+    (tmp_path / "vocab.safetensors").write_bytes(bytes(range(256)) * 4)
+    records = file_records(tmp_path, [tmp_path / "vocab.safetensors"])
+    flipped = bytearray((tmp_path / "vocab.safetensors").read_bytes())
+    flipped[100] ^= 1  # same size: a d2t entry off by one
+    (tmp_path / "vocab.safetensors").write_bytes(bytes(flipped))
+    assert "sha256 mismatch" in verify_files(tmp_path, records, "size")[0]
