@@ -74,7 +74,7 @@ def save(train_dir: Path, step: int, weights: dict[str, torch.Tensor], draft: Dr
         save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()},
                   str(tmp / WEIGHTS), metadata={"format": "pt"})
         (tmp / CONFIG).write_text(json.dumps(speculators_config, indent=2) + "\n")
-        torch.save(trainer_state, tmp / TRAINER_STATE)
+        save_trainer_state(trainer_state, tmp / TRAINER_STATE)
         record = {"step": step, "draft": draft.to_dict(),
                   "aux_layer_ids": [int(i) for i in aux_layer_ids], "recipe": recipe,
                   "files": {name: file_record(tmp / name)
@@ -82,6 +82,14 @@ def save(train_dir: Path, step: int, weights: dict[str, torch.Tensor], draft: Dr
         (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")
     atomic_write_text(train_dir / "latest", path.name + "\n")
     return path
+
+
+def save_trainer_state(state: dict[str, Any], path: Path) -> None:
+    """torch.save through a Python file: given a path, torch's own writer reports a full disk
+    as "unexpected pos 704 vs 598"; through a file object the OS error (ENOSPC) comes back, and
+    the CLI names the full disk."""
+    with open(path, "wb") as f:
+        torch.save(state, f)
 
 
 def _record(path: Path) -> Optional[dict[str, Any]]:

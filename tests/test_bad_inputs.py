@@ -329,3 +329,11 @@ def test_two_ranks_hash_the_upstream_files_split_between_them(prepared, tmp_path
     assert lines and all(x == lines[0] for x in lines), out.stderr[-3000:]
     assert "02_hidden_states is damaged" in lines[0] and name in lines[0], lines[0]
     assert not (Stage(cfg, 4).dir / "manifest.json").exists()
+
+
+def test_a_full_disk_while_saving_a_checkpoint_is_named_as_one():
+    from eagle3 import checkpoint
+    from eagle3.cli import _is_disk_full
+    with pytest.raises(OSError) as e:
+        checkpoint.save_trainer_state({"x": torch.zeros(100_000)}, Path("/dev/full"))
+    assert _is_disk_full(e.value)

@@ -196,3 +196,4 @@ def test_a_trainer_state_that_is_not_plain_data_is_refused(trained, tmp_path):
     torch.save({"world_size": 1, "x": Payload()}, step / "trainer_state.pt")
     with pytest.raises(StageError, match="holds more than tensors and plain data"):
         checkpoint.load(step, with_trainer_state=True)
+
