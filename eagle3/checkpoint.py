@@ -171,8 +171,10 @@ def read_pointer(train_dir: Path, name: str) -> Optional[Path]:
         (train_dir / target).is_dir() else None
 
 
-def resolve(train_dir: Path, which: str, mode: str = "sha256") -> Path:
-    """`best`, `latest` or `step-N` of a training run, checked intact."""
+def resolve(train_dir: Path, which: str, mode: str = "sha256",
+            repair: str = "python 04_train.py CONFIG --repair") -> Path:
+    """`best`, `latest` or `step-N` of a training run, checked intact; `repair` is the command
+    a damaged one names."""
     if STEP_RE.match(which):
         path = train_dir / which
         if not path.is_dir():
@@ -185,8 +187,8 @@ def resolve(train_dir: Path, which: str, mode: str = "sha256") -> Path:
                              f"04_train.py` or set export.checkpoint")
     problems = damage(path, mode)
     if problems:
-        raise StageError(f"checkpoint {path} is damaged ({problems[0]}): rerun `python "
-                         f"04_train.py CONFIG --repair`, or export another checkpoint")
+        raise StageError(f"checkpoint {path} is damaged ({problems[0]}): rerun `{repair}`, or "
+                         f"export another checkpoint")
     return path
 
 

@@ -125,7 +125,8 @@ def export_all(root: Path, fmts: list[str], d: Drafter, ctx: formats.ExportConte
 
 def _checked_checkpoint(stage: Stage) -> ckpt.Checkpoint:
     cfg = stage.cfg
-    path = ckpt.resolve(stage.upstream(4).dir, cfg.export.checkpoint, cfg.run.verify)
+    path = ckpt.resolve(stage.upstream(4).dir, cfg.export.checkpoint, cfg.run.verify,
+                        stage.upstream(4).command("--repair"))
     c = ckpt.load(path, lazy=True)
     info = cfg.verifier_info
     if list(info.aux_layer_ids) != c.aux_layer_ids:

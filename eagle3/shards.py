@@ -187,14 +187,16 @@ class HiddenStates:
     A shard that is missing or whose header is cut is reported at open, naming the file.
     """
 
-    def __init__(self, directory: str | Path) -> None:
+    def __init__(self, directory: str | Path,
+                 repair: str = "python 02_extract_hidden_states.py CONFIG --repair") -> None:
         self.dir = Path(directory)
+        self.repair = repair
+        """The command that redoes a damaged shard (with the run's config and overrides)."""
         index_path = self.dir / INDEX
         try:
             self.index = json.loads(index_path.read_text())
         except (OSError, ValueError):
-            raise StageError(f"{index_path} is missing or unreadable: run `python "
-                             f"02_extract_hidden_states.py CONFIG --repair`") from None
+            raise StageError(f"{index_path} is missing or unreadable: run `{repair}`") from None
         if self.index.get("format") != FORMAT:
             raise StageError(f"{index_path}: format {self.index.get('format')!r}, this reader "
                              f"knows {FORMAT!r}; redo stage 02 with --restart")
@@ -209,8 +211,8 @@ class HiddenStates:
     def _open_shard(self, k: int, shard: dict[str, Any]) -> None:
         path = self.dir / shard["file"]
         if read_shard_header(path) is None:
-            raise StageError(f"{path} is missing, truncated or not a shard: run `python "
-                             f"02_extract_hidden_states.py CONFIG --repair`")
+            raise StageError(f"{path} is missing, truncated or not a shard: run "
+                             f"`{self.repair}`")
         f = self._open(k)
         meta = json.loads(f.metadata()["eagle3"])
         offsets = f.get_tensor("offsets").tolist()

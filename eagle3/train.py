@@ -268,7 +268,8 @@ def measure_base(stage: Stage, base: base_drafter.BaseDrafter, model: Eagle3Draf
     from eagle3.hidden_states import MEASURE_DIR
 
     cfg, tc = stage.cfg, stage.cfg.train
-    data = HiddenStates(stage.upstream(2).dir / MEASURE_DIR)
+    data = HiddenStates(stage.upstream(2).dir / MEASURE_DIR,
+                        stage.upstream(2).command("--repair"))
     hidden = data.hidden_size
     model.to(device)
     head = VerifierHead.of(lm_head.to(device), torch.arange(len(model.d2t), device=device)
@@ -400,7 +401,7 @@ class Prefetcher:
 
 def _load_data(stage: Stage) -> HiddenStates:
     cfg = stage.cfg
-    data = HiddenStates(stage.upstream(2).dir)
+    data = HiddenStates(stage.upstream(2).dir, stage.upstream(2).command("--repair"))
     if not data.final_is_post_norm:
         raise StageError("02_hidden_states stored pre-norm final states; this trainer expects "
                          "post-norm (rerun 02_extract_hidden_states.py --restart)")
@@ -420,7 +421,7 @@ def setup(stage: Stage) -> Trainer:
         _tensorboard_writer_class()  # fail on every rank before any work, not later on rank 0
     ctx = dist.init(tc.device, tc.collective_timeout_min)
     data = _load_data(stage)
-    d2t, t2d = load_vocab(stage.upstream(3).dir)
+    d2t, t2d = load_vocab(stage.upstream(3).dir, stage.upstream(3).command("--repair"))
     lm_head = read_tensor(cfg.verifier_path, "lm_head").to(ctx.device, torch.float32)
     lengths = [data.num_tokens(i) for i in range(len(data))]
     train_idx, val_idx = split_indices(data.ids, tc.val_fraction, tc.seed)
@@ -621,7 +622,7 @@ def _nonfinite_error(t: Trainer, step_groups: list[list[int]], what: str) -> Sta
         f"{'samples with non-finite hidden states: ' if broken else 'samples of this step: '}"
         f"{where}{' ...' if len(named) > 5 else ''}; last good checkpoint: "
         f"{good[-1][1] if good else 'none'}. "
-        + ("Redo those shards: `python 02_extract_hidden_states.py CONFIG --repair`" if broken
+        + (f"Redo those shards: `{t.stage.upstream(2).command('--repair')}`" if broken
            else "Lower train.lr or check the data, then rerun (training resumes from the "
                 "checkpoint)"))
 

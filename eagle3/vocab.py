@@ -92,14 +92,14 @@ def coverage(counts: np.ndarray, t2d: torch.Tensor) -> float:
     return float(counts[t2d.numpy()].sum() / total) if total else 0.0
 
 
-def load_vocab(directory: Path) -> tuple[torch.Tensor, torch.Tensor]:
+def load_vocab(directory: Path, repair: str = "python 03_build_vocab_map.py CONFIG --repair"
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     path = directory / VOCAB_FILE
     try:
         t = load_file(str(path))
         return t["d2t"], t["t2d"]
     except Exception as e:  # safetensors' own error for a truncated file, or a missing key
-        raise StageError(f"{path} is unreadable ({type(e).__name__}): run `python "
-                         f"03_build_vocab_map.py CONFIG --repair`") from None
+        raise StageError(f"{path} is unreadable ({type(e).__name__}): run `{repair}`") from None
 
 
 def remap_lm_head(base_lm_head: torch.Tensor, base_d2t: torch.Tensor, new_d2t: torch.Tensor,

@@ -280,7 +280,7 @@ def test_run_pipeline_reads_a_relative_config_and_checks_from_stage(prepared, tm
     out = subprocess.run(["bash", script, "config.yaml", "6"], cwd=tmp_path,
                          capture_output=True, text=True)
     # The config was found (relative to the caller) and stage 06 names its missing upstream.
-    assert out.returncode == 2 and "04_train is not complete" in out.stderr, out.stderr
+    assert out.returncode == 2 and "05_export is not complete" in out.stderr, out.stderr
     assert cfg.source.endswith("config.yaml")
 
 
