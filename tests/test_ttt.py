@@ -389,11 +389,13 @@ def test_pack_respects_budget_and_order():
     assert pack([5, 5, 5, 20], [0, 1, 2, 3], 10) == [[0, 1], [2], [3]]
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["recurrence", "fused-kernel"])
 @pytest.mark.parametrize("n_later,chunk", [(0, 5), (2, 4), (3, 64)])
-def test_linear_memory_attention_equals_the_dense_one(n_later, chunk):
-    """`ttt_attention` (query blocks, scores recomputed in backward) against the [L, L + n]
-    score matrix built whole: outputs and every gradient, in float64."""
-    from eagle3.model import ttt_attention
+def test_linear_memory_attention_equals_the_dense_one(n_later, chunk, fused):
+    """`TTTAttention`, as the plain recurrence (query blocks, scores recomputed in backward) and
+    with the fused flash kernel merged with the diagonal keys, against the [L, L + n] score
+    matrix built whole: outputs and every gradient, in float64."""
+    from eagle3.model import TTTAttention, _FlashKernel
 
     B, h, L, d = 2, 3, 13, 8
     torch.manual_seed(1)
@@ -419,7 +421,10 @@ def test_linear_memory_attention_equals_the_dense_one(n_later, chunk):
     inputs = [q, k0, v0] + [t for kv in later for t in kv]
     ref = dense()
     ref_grads = torch.autograd.grad(ref, inputs, grad)
-    ours = ttt_attention(q, k0, v0, later, scale, chunk=chunk)
+    stack = (lambda i: torch.stack([kv[i] for kv in later], 3) if later
+             else q.new_zeros(B, h, L, 0, d))
+    ours = TTTAttention.apply(q, k0, v0, stack(0), stack(1), scale, chunk,
+                              _FlashKernel("cpu") if fused else None)
     our_grads = torch.autograd.grad(ours, inputs, grad)
     torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-10)
     for a, b in zip(our_grads, ref_grads):
@@ -505,3 +510,11 @@ def test_what_backward_keeps_is_bounded():
     whole = saved_for_backward(model, batch, teacher, TTTSpec(4, 0.8))
     ckpt = saved_for_backward(model, batch, teacher, TTTSpec(4, 0.8, checkpoint_steps=True))
     assert nbytes(ckpt) < nbytes(whole) / 5, (nbytes(ckpt), nbytes(whole))
+
+
+def test_the_fused_kernel_is_used_where_it_agrees():
+    """On this CPU the fused kernel matches the recurrence in every dtype the drafter trains
+    in, so `ttt_attention` uses it (a build or dtype where it does not falls back, warned)."""
+    from eagle3.model import fused_kernel
+    for dtype in (torch.float32, torch.bfloat16):
+        assert fused_kernel(torch.zeros(1, 2, 4, 64, dtype=dtype)) is not None
