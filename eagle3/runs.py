@@ -12,6 +12,10 @@ records:
 - `files`: size and sha256 of every file a later stage reads. They are checked each time the
   output is used (`run.verify`): by the next stage before it starts, and by a rerun of the stage
   itself, so damage after completion is reported with the file and the command that repairs it.
+- `upstream`: one digest per stage it read, of that stage's file records (`output_digest`).
+  A stage whose upstream was redone since, to another result, is out of date: never "already
+  complete" (05 and 06 redo what changed; the others need --restart), and a later stage names
+  the first stage of the chain to redo. A --repair that changed nothing changes no digest.
 
 A running stage holds an exclusive lock on itself and shared locks on its upstream stages
 (`Stage.lock`), so two runs of one stage, or the redo of a stage another one is reading, refuse
