@@ -13,5 +13,4 @@ from eagle3.train import preflight, run_train, smoke
 
 if __name__ == "__main__":
     sys.exit(stage_main(4, run_train, __doc__.splitlines()[0],
-                        aliases={"--finetune-from": "train.finetune_from"},
                         preflight=preflight, devices=True, smoke=smoke))

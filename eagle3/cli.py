@@ -40,6 +40,11 @@ def setup_logging() -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+COMMON_ALIASES = {"--finetune-from": "train.finetune_from"}
+"""Flags every stage takes: the base drafter shapes stages 02 (its aux convention is measured),
+03 (its vocabulary map is copied) and 04, so the fine-tune flow gives it to each stage alike."""
+
+
 def _parse(description: str, argv: Optional[list[str]], aliases: dict[str, str],
            smoke: bool = False) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=description)
@@ -55,6 +60,7 @@ def _parse(description: str, argv: Optional[list[str]], aliases: dict[str, str],
                            help="one step on the longest samples: peak memory and speed; "
                                 "writes nothing")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    aliases = {**COMMON_ALIASES, **aliases}
     for flag, key in aliases.items():
         parser.add_argument(flag, dest=key.replace(".", "__"), default=None,
                             help=f"same as {key}=VALUE")

@@ -32,6 +32,7 @@ import hashlib
 import json
 import logging
 import os
+import shlex
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -373,6 +374,18 @@ def verify_files(root: Path, records: dict[str, dict[str, Any]], mode: str) -> l
 # Stages and manifests
 
 
+def _made_with(manifest: dict[str, Any], changes: list[str]) -> str:
+    """How to get back the config an output was made with: the recorded command-line
+    overrides that set the changed keys, when there are such, else the config file."""
+    changed = {line.split(":")[0].split(" (")[0] for line in changes}
+    given = [o for o in manifest.get("overrides", [])
+             if any(o.split("=")[0] == key or key.startswith(o.split("=")[0] + ".")
+                    for key in changed)]
+    if given:
+        return "add the override(s) it was made with: " + " ".join(shlex.quote(o) for o in given)
+    return "fix the config"
+
+
 def output_digest(manifest: dict[str, Any]) -> str:
     """One sha256 for what a finished stage produced (see `Stage.upstream_hash`)."""
     made = manifest.get("files") or manifest.get("outputs") or {}
@@ -524,7 +537,7 @@ class Stage:
         if changes:
             more = f" (and {len(changes) - 1} more)" if len(changes) > 1 else ""
             raise StageError(f"{self.name} was made with another config ({changes[0]}{more}): "
-                             f"rerun `{fix}`, or fix the config")
+                             f"rerun `{fix}`, or {_made_with(manifest, changes)}")
         redone = self.out_of_date(manifest)
         if redone is not None:
             raise StageError(f"{self.name} is out of date: {redone} was redone after it was "

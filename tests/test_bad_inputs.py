@@ -251,6 +251,26 @@ def test_config_changes_name_the_key(prepared, tmp_path):
     assert run("03_build_vocab_map.py", cfg, "train.log_every=7").returncode == 0
 
 
+def test_a_stage_made_with_an_override_names_it(prepared, tmp_path):
+    """The fine-tune flow's loop: an upstream made with a command-line override, a later stage
+    run without it; the message gives the override that reproduces the upstream."""
+    cfg = copy_run(prepared, tmp_path)
+    assert run("03_build_vocab_map.py", cfg, "--restart", "vocab.draft_vocab_size=256"
+               ).returncode == 0
+    msg = one_line_error(run("04_train.py", cfg))
+    assert "03_vocab was made with another config (vocab.draft_vocab_size: 256 there, 512 " \
+           "now)" in msg and "add the override(s) it was made with: " \
+           "vocab.draft_vocab_size=256" in msg
+
+
+def test_every_stage_takes_finetune_from():
+    """Every stage script parses its command line with `cli._parse` (through `stage_main`),
+    which takes the common flags whatever the stage's own."""
+    from eagle3.cli import _parse
+    _, overrides = _parse("x", ["c.yaml", "--finetune-from", "/base"], {})
+    assert overrides == ["train.finetune_from=/base"]
+
+
 def test_a_value_equal_to_the_derived_default_is_the_same_config(tmp_path, smollm2):
     derived = make_config(tmp_path, smollm2, verifier={"aux_layer_ids": None})
     explicit = make_config(tmp_path, smollm2, verifier={"aux_layer_ids": [2, 15, 27]})
