@@ -4,6 +4,7 @@
 """
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -531,3 +532,25 @@ def test_a_bad_byte_or_a_deeply_nested_row_is_one_named_bad_record(tmp_path):
     array = tmp_path / "rows.json"
     array.write_bytes(b'[{"prompt": "fine"}, ' + b"[" * 5000 + b"]")
     assert "nested deeper" in list(_iter_json_rows(array))[1].reason
+
+
+# What Kimi-K2.5's own template renders for one user message with no system message (the same in
+# public renderings of it: tinker-cookbook's Kimi renderer, Unsloth's Kimi-K2.5 guide): its
+# default system turn first.
+KIMI_REFERENCE = ("<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by "
+                  "Moonshot AI.<|im_end|><|im_user|>user<|im_middle|>hello<|im_end|>"
+                  "<|im_assistant|>assistant<|im_middle|><think>")
+
+
+def test_kimi_template_adds_the_default_system_turn_as_kimi_serves(kimi_tok):
+    template = (Path(__file__).resolve().parents[1] / "configs" / "templates"
+                / "kimi-k2.5-thinking.jinja").read_text()
+
+    def render(msgs):
+        return kimi_tok.apply_chat_template(msgs, chat_template=template, tokenize=False,
+                                            add_generation_prompt=True)
+    assert render([{"role": "user", "content": "hello"}]) == KIMI_REFERENCE
+    own = render([{"role": "system", "content": "Be brief."},
+                  {"role": "user", "content": "hello"}])
+    assert own.startswith("<|im_system|>system<|im_middle|>Be brief.<|im_end|><|im_user|>")
+    assert "You are Kimi" not in own
