@@ -16,6 +16,7 @@ SGLang cannot serve it).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -301,7 +302,12 @@ def fused_kernel(q: torch.Tensor) -> Optional[_FlashKernel]:
     result that differs runs the plain recurrence, which is exact everywhere."""
     key = (q.device.type, q.dtype, q.shape[-1])
     if key not in _KERNEL_CHECKED:
-        _KERNEL_CHECKED[key] = _kernel_agrees(_FlashKernel(q.device.type), q)
+        # In a thread of its own: saved-tensor hooks and autocast are per thread, so the check's
+        # own autograd is invisible to an activation checkpoint around the first call (whose
+        # recomputation must save exactly what the first forward saved).
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            _KERNEL_CHECKED[key] = pool.submit(
+                _kernel_agrees, _FlashKernel(q.device.type), q.detach()).result()
     return _FlashKernel(q.device.type) if _KERNEL_CHECKED[key] else None
 
 

@@ -462,22 +462,26 @@ def test_chunked_checkpointed_loss_equals_the_whole_one(loss, monkeypatch):
 
 
 @pytest.mark.parametrize("num_layers", [1, 2])
-def test_activation_checkpointing_changes_no_number(num_layers):
+def test_activation_checkpointing_changes_no_number(num_layers, monkeypatch):
     """`train.activation_checkpointing`: each TTT step recomputed in backward gives the same
-    loss, metrics and gradients as the step kept whole."""
+    loss, metrics and gradients as the step kept whole. The checkpointed run goes first, with
+    the fused kernel not yet checked in this process: its check, made on first use, must not
+    be seen by the checkpoint (recomputation saves what the first forward saved)."""
+    import eagle3.model
+    monkeypatch.setattr(eagle3.model, "_KERNEL_CHECKED", {})
     model = tiny_model(num_layers=num_layers)
     lm_head = torch.randn(V, HT, dtype=torch.float64)
     batch = collate(samples([13, 9, 11]), max_tokens=1000)
     teacher = make_teacher(batch.final, VerifierHead.of(lm_head, torch.arange(VD) + model.d2t))
     results = []
-    for on in (False, True):
+    for on in (True, False):
         model.zero_grad()
         loss, stats = ttt_forward(model, batch, teacher,
                                   TTTSpec(4, 0.8, "lk_lambda", checkpoint_steps=on))
         loss.backward()
         results.append((loss.detach(), stats, {n: p.grad.clone() for n, p in
                                                model.named_parameters() if p.grad is not None}))
-    (plain, s_plain, g_plain), (ckpt, s_ckpt, g_ckpt) = results
+    (ckpt, s_ckpt, g_ckpt), (plain, s_plain, g_plain) = results
     assert torch.equal(ckpt, plain)
     assert s_ckpt.correct == s_plain.correct and s_ckpt.alpha == s_plain.alpha
     assert g_ckpt.keys() == g_plain.keys() and len(g_plain) > 5
