@@ -69,7 +69,8 @@ def data_estimate(cfg: Config) -> dict[str, Any]:
     """Prompts, turns and tokens of stage 01's selection (sources read, answers estimated)."""
     from eagle3.data import load_prompts
 
-    rows = load_prompts(cfg.data).rows
+    prompts = load_prompts(cfg.data)
+    rows = prompts.rows
     per_char, how = _tokens_per_char(cfg)
     answer = cfg.plan.answer_fraction * cfg.generate.max_new_tokens
     turns = [sum(m["role"] == "user" for m in r["messages"]) for r in rows]
@@ -78,7 +79,36 @@ def data_estimate(cfg: Config) -> dict[str, Any]:
               for c, t in zip(prompt_chars, turns)]
     return {"prompts": len(rows), "turns": sum(turns), "answer_tokens": answer,
             "generated_tokens": sum(turns) * answer, "tokens": sum(tokens),
-            "tokens_max": len(rows) * cfg.data.max_seq_len, "token_source": how}
+            "tokens_max": len(rows) * cfg.data.max_seq_len, "token_source": how,
+            "per_source": {name: (st["usable"], st["selected"])
+                           for name, st in prompts.stats.items()}}
+
+
+def verifier_loads(cfg: Config) -> dict[str, int]:
+    """How many times each stage loads the verifier (an engine start or an in-process load):
+    on a Kimi node each costs 20-30 minutes before any work."""
+    generate = 0 if cfg.generate.engine != "hf" and cfg.generate.server_urls else 1
+    extract = 0 if cfg.hidden_states.backend == "vllm" and cfg.hidden_states.server_url else 1
+    if cfg.measures_base and cfg.hidden_states.backend == "vllm":
+        extract += 1  # the measure set's layers are captured by a second server
+    bench = 0
+    for engine in cfg.bench.engines:
+        if engine.name == "hf":
+            bench += 1  # the reference decoder loads it once, in-process
+        else:
+            bench += len(engine.parsed_depths) + int(engine.serves_baseline)
+    return {"01": generate, "02": extract, "06": bench}
+
+
+def served_beyond_trained(cfg: Config) -> Optional[str]:
+    """A note when stage 06 serves more draft steps than TTT trained: positions past
+    `train.ttt_steps` run the drafter on its own outputs, which it never saw in training."""
+    deepest = max((d.steps for e in cfg.bench.engines for d in e.parsed_depths), default=0)
+    if deepest <= cfg.train.ttt_steps:
+        return None
+    return (f"   note: stage 06 serves up to {deepest} draft steps, TTT trains "
+            f"{cfg.train.ttt_steps}: draft positions {cfg.train.ttt_steps + 1}-{deepest} were "
+            f"never trained (raise train.ttt_steps to train them)")
 
 
 def hidden_state_bytes(info: VerifierInfo, tokens: float) -> dict[str, float]:
@@ -376,6 +406,7 @@ def render_plan(cfg: Config) -> tuple[str, list[Verdict]]:
              f"  this machine: {features().summary()} (what it can run: preflight below)",
              f"  {info.architecture}: {info.num_hidden_layers} layers, hidden {info.hidden_size}, "
              f"vocab {info.vocab_size}, aux ids {list(info.aux_layer_ids)}", "",
+             f"verifier loads: {_loads_line(cfg)}", "",
              f"01 generate: {d['prompts']} prompts"
              + (f" (of data.num_samples={cfg.data.num_samples}: the sources have no more)"
                 if d["prompts"] < cfg.data.num_samples else "")
@@ -383,6 +414,9 @@ def render_plan(cfg: Config) -> tuple[str, list[Verdict]]:
              f"tokens per answer ({p.answer_fraction} x max_new_tokens), ~"
              f"{d['generated_tokens'] / 1e6:.1f}M generated tokens: "
              f"{_hours(d['generated_tokens'], p.generate_tok_s)}",
+             f"   per source (usable / taken): " + ", ".join(
+                 f"{name} {usable} / {taken}" for name, (usable, taken) in
+                 d["per_source"].items()),
              f"   samples ~{d['tokens'] / 1e6:.1f}M tokens (at most {d['tokens_max'] / 1e6:.1f}M"
              f"; {d['token_source']})",
              f"02 extract: ~{d['tokens'] / 1e6:.1f}M tokens: "
@@ -398,12 +432,20 @@ def render_plan(cfg: Config) -> tuple[str, list[Verdict]]:
               *memory_lines(cfg, mem),
               f"   checkpoints: ~{mem['trainable_parameters'] * 16 * (cfg.train.keep + 1) / GB:.0f}"
               f" GB ({cfg.train.keep} kept + best, weights and AdamW moments)"]
+    note = served_beyond_trained(cfg)
+    lines += [note] if note else []
     lines += _proposals(cfg, disk, d)
     lines += ["", "engine commands (port numbers are chosen at run time):"]
     lines += [f"  {name}: {' '.join(cmd)}" for name, cmd in engine_commands(cfg).items()]
     verdicts = preflight(cfg, disk[cfg.hidden_states.dtype]) + [memory_verdict(cfg, mem)]
     lines += ["", "preflight:"] + [v.line() for v in verdicts]
     return "\n".join(lines), verdicts
+
+
+def _loads_line(cfg: Config) -> str:
+    loads = verifier_loads(cfg)
+    return (f"{sum(loads.values())} in all (" + ", ".join(f"stage {n}: {k}" for n, k in
+                                                        loads.items()) + "; stages 03-05 none)")
 
 
 def _proposals(cfg: Config, disk: dict[str, float], d: dict[str, Any]) -> list[str]:

@@ -4,6 +4,8 @@ one that renders it passes, and a template with no notion of reasoning is not a 
     .venv/bin/pytest tests/test_plan.py -q
 """
 
+from pathlib import Path
+
 import pytest
 
 from conftest import make_config
@@ -91,3 +93,17 @@ def test_a_plan_with_a_failed_check_exits_2(tmp_path, tiny_verifier, memory_fit,
     out = capsys.readouterr()
     assert "[FAIL]" in out.out and "error: the plan fails 1 check(s)" in out.err
     assert main([cfg.source]) == 0
+
+
+def test_the_plan_counts_verifier_loads_and_names_untrained_draft_positions():
+    """The Kimi config: one load each for stages 01 and 02, one per served depth and baseline
+    in stage 06; its 16-deep SGLang depth serves positions TTT 7 never trained."""
+    from eagle3.config import load_config
+    from eagle3.plan import served_beyond_trained, verifier_loads
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "kimi-k2.5.yaml")
+    depths = sum(len(e.parsed_depths) + e.serves_baseline for e in cfg.bench.engines)
+    assert verifier_loads(cfg) == {"01": 1, "02": 1, "06": depths}
+    assert "draft positions 8-16 were never trained" in served_beyond_trained(cfg)
+    external = load_config(Path(__file__).resolve().parents[1] / "configs" / "kimi-k2.5.yaml",
+                           ["generate.server_urls=[http://n1:8000]", "train.ttt_steps=16"])
+    assert verifier_loads(external)["01"] == 0 and served_beyond_trained(external) is None
