@@ -271,6 +271,18 @@ def test_every_stage_takes_finetune_from():
     assert overrides == ["train.finetune_from=/base"]
 
 
+def test_run_pipeline_trains_under_torchrun_with_one_process_per_gpu(prepared, tmp_path):
+    """Stage 04 of the pipeline runs as the runbook's torchrun does (here two ranks asked for
+    with NPROC_PER_NODE, on an empty run: both ranks stop at the missing upstream)."""
+    cfg = copy_run(prepared, tmp_path)
+    shutil.rmtree(cfg.run_dir)
+    out = subprocess.run(["bash", str(REPO / "run_pipeline.sh"), cfg.source, "4"],
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "NPROC_PER_NODE": "2", "OMP_NUM_THREADS": "1"})
+    assert "=== stage 4: torchrun --nproc_per_node 2 04_train.py ===" in out.stdout
+    assert out.returncode != 0 and "02_hidden_states is not complete" in out.stderr
+
+
 def test_a_value_equal_to_the_derived_default_is_the_same_config(tmp_path, smollm2):
     derived = make_config(tmp_path, smollm2, verifier={"aux_layer_ids": None})
     explicit = make_config(tmp_path, smollm2, verifier={"aux_layer_ids": [2, 15, 27]})
