@@ -2,7 +2,8 @@
 
     python 06_deploy_and_bench.py configs/smollm2-135m-cpu.yaml [section.key=value ...] [--restart | --repair]
 
-Writes <run>/06_bench/; rerun after a crash to continue where it stopped.
+Writes <run>/06_bench/; rerun after a crash to continue where it stopped. SIGTERM (timeout,
+Slurm, Kubernetes) stops the running engine with its workers and exits with code 143.
 """
 
 import sys

@@ -21,6 +21,10 @@ prompt set and temperature; for chains, the acceptance of every shallower depth 
 the deepest run's per-position acceptance; greedy outputs compared with the baseline
 (reasoning + content); the silent-failure alarm (`bench.expect_trained`); `results.json`,
 `results.md` and plots.
+
+A speculative cell that counted no drafts measured nothing (speculation off, or counters this
+code does not know) and fails like a cell that accepts nothing, naming the metrics it looked
+for; no depth is called fastest on such cells. A damaged saved cell is moved aside and redone.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from eagle3.config import BenchEngineConfig, Config, Depth, ServerConfig, Source
 from eagle3.cpu import resolve_dtype
 from eagle3.engines import Server, http_get, root_cause, start_server
 from eagle3.runs import (Stage, StageError, atomic_write_json, atomic_write_text, clean_stale_tmp,
-                         file_records)
+                         file_records, move_aside)
 
 log = logging.getLogger("eagle3")
 
@@ -57,6 +61,19 @@ DRAFTS = "vllm:spec_decode_num_drafts_total"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+# Where each engine's drafts are counted (run_cell), the name that counts them first: named when
+# a speculative cell counted none.
+DRAFT_SOURCES = {
+    "vllm": ("/metrics", [DRAFTS, DRAFT_TOKENS, ACCEPTED, ACCEPTED_PER_POS]),
+    "sglang": ("/generate's meta_info", ["spec_verify_ct", "spec_correct_drafts_histogram"]),
+}
+NO_DRAFTS = "no_drafts"
+NO_DRAFTS_CAUSES = [
+    "speculation off: the engine log below shows whether it loaded the drafter",
+    "an engine version that names its speculative counters otherwise: compare `curl "
+    "<server>/metrics | grep spec` (vLLM) or a /generate reply's meta_info (SGLang) with the "
+    "names looked for (DRAFT_SOURCES in eagle3/bench.py)",
+]
 
 # What to check when a trained drafter accepts nothing (docs/engines.md, the failure modes).
 SILENT_CAUSES = [
@@ -164,11 +181,15 @@ class SpecCounters:
     draft_tokens: float = 0.0
     accepted: float = 0.0
     accepted_per_pos: dict[int, float] = field(default_factory=dict)
+    names: set[str] = field(default_factory=set)
+    """The spec-decode counters present: none at all is not the same as zero drafts."""
 
 
 def spec_counters(text: str) -> SpecCounters:
     c = SpecCounters()
     for name, labels, value in parse_prometheus(text):
+        if name in DRAFT_SOURCES["vllm"][1]:
+            c.names.add(name)
         if name == DRAFTS:
             c.drafts += value
         elif name == DRAFT_TOKENS:
@@ -292,8 +313,15 @@ def run_prompts(one: Callable[[dict[str, Any]], dict[str, Any]], prompts: list[d
             return {"id": p["id"], "error": f"{type(e).__name__}: {e}"}
 
     start = time.time()
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+    pool = ThreadPoolExecutor(max_workers=concurrency)
+    try:
         rows = list(pool.map(safe, prompts))
+    except BaseException:
+        # SIGTERM or Ctrl-C: drop the prompts not yet sent and do not wait for those in flight,
+        # so the engine is stopped at once (they fail when it goes).
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
     failed = [r for r in rows if "error" in r]
     if failed:
         raise StageError(f"{len(failed)}/{len(rows)} requests failed (first: prompt "
@@ -394,13 +422,14 @@ def run_cell(stage: Stage, engine: BenchEngineConfig, server: Server, cell: Cell
         rows, wall = run_prompts(lambda p: vllm_request(
             server, p["messages"], b.max_tokens, cell.temperature, engine.server),
             prompts, cell.concurrency)
-        stats = acceptance_stats(before, spec_counters(
-            http_get(server.url("/metrics"), engine.server)))
+        after = spec_counters(http_get(server.url("/metrics"), engine.server))
+        stats = acceptance_stats(before, after) | {"spec_metrics": sorted(after.names)}
     else:
         rows, wall = run_prompts(lambda p: sglang_request(
             server, render(tok, p["messages"], add_generation_prompt=True), b.max_tokens,
             cell.temperature, engine.server), prompts, cell.concurrency)
-        stats = sglang_acceptance(rows)
+        stats = sglang_acceptance(rows) | {"spec_metrics": [
+            "spec_verify_ct"] if any(r["spec_verify_ct"] is not None for r in rows) else []}
     tokens = sum(r["completion_tokens"] for r in rows)
     decode = [(r["latency_s"] - r["ttft_s"]) / (r["completion_tokens"] - 1) for r in rows
               if r["completion_tokens"] > 1]
@@ -459,8 +488,7 @@ def sweep(stage: Stage, sets: dict[str, list[dict[str, Any]]], tok: Any) -> list
                      for t in b.temperature]
             done, todo = {}, []
             for cell in cells:
-                path = results_dir / f"{cell.name}.json"
-                saved = json.loads(path.read_text()) if path.is_file() else None
+                saved = load_saved_cell(results_dir / f"{cell.name}.json")
                 if saved and saved.get("settings") == cell_settings(
                         stage, engine, cell, sets[cell.prompt_set]) and not saved.get("failed"):
                     done[cell] = saved
@@ -477,6 +505,57 @@ def sweep(stage: Stage, sets: dict[str, list[dict[str, Any]]], tok: Any) -> list
     return results
 
 
+# What report, comparisons and plots read from every saved cell (run_cell, _measure_reference).
+_NUMBER = (int, float)
+_OPTIONAL_NUMBER = (int, float, type(None))
+CELL_FIELDS = {
+    "cell": str, "engine": str, "run": str, "prompt_set": str, "concurrency": int,
+    "temperature": _NUMBER, "num_drafts": int, "depth": (dict, type(None)),
+    "mean_acceptance_length": _OPTIONAL_NUMBER, "per_position_acceptance": list,
+    "output_tok_s": _OPTIONAL_NUMBER, "ttft_s": _OPTIONAL_NUMBER, "tpot_s": _OPTIONAL_NUMBER,
+    "outputs": dict, "settings": dict,
+}
+
+
+def load_saved_cell(path: Path) -> Optional[dict[str, Any]]:
+    """The cell an earlier run saved at `path`, or None to (re)do it. A damaged file (cut
+    short, not JSON, or JSON of another shape) is moved aside, never deleted, with a warning:
+    the cell is redone rather than the stage stopped by an error nobody can read."""
+    if not path.is_file():
+        return None
+    try:
+        saved = json.loads(path.read_text())
+        problem = cell_problem(saved)
+    except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, or nested beyond reach
+        problem = f"not valid JSON ({str(e)[:120]})"
+    if problem is None:
+        return saved
+    moved = move_aside(path, "damaged")
+    log.warning("%s is damaged (%s): moved aside to %s; redoing the cell", path, problem,
+                moved.name)
+    return None
+
+
+def cell_problem(saved: Any) -> Optional[str]:
+    """What makes a parsed cell file unusable, or None."""
+    if not isinstance(saved, dict):
+        return f"a JSON {type(saved).__name__}, not a cell's object"
+    missing = [k for k in CELL_FIELDS if k not in saved]
+    if missing:
+        return f"no {', '.join(missing)}"
+    wrong = [k for k, kind in CELL_FIELDS.items()
+             if not isinstance(saved[k], kind) or isinstance(saved[k], bool)]
+    if wrong:
+        return f"{', '.join(wrong)} of the wrong type"
+    if not all(isinstance(a, _NUMBER) for a in saved["per_position_acceptance"]):
+        return "per_position_acceptance holds other things than numbers"
+    depth = saved["depth"]
+    if depth is not None and not all(isinstance(depth.get(k), int)
+                                     for k in ("steps", "topk", "draft_tokens")):
+        return "depth without integer steps, topk and draft_tokens"
+    return None
+
+
 def _measure(stage: Stage, engine: BenchEngineConfig, depth: Optional[Depth],
              todo: list[Cell], sets: dict[str, list[dict[str, Any]]], tok: Any) -> dict:
     out = {}
@@ -485,7 +564,8 @@ def _measure(stage: Stage, engine: BenchEngineConfig, depth: Optional[Depth],
             result = run_cell(stage, engine, server, cell, sets[cell.prompt_set], tok)
             result["settings"] = cell_settings(stage, engine, cell, sets[cell.prompt_set])
             result["startup_s"] = round(server.startup_s, 1)
-            result |= alarm(stage, result, server.log_path)
+            result |= no_drafts(stage, result, server.log_path) or alarm(stage, result,
+                                                                          server.log_path)
             atomic_write_json(stage.dir / "results" / f"{cell.name}.json", result)
             log.info("%s: acceptance length %s, %.2f tok/s, TTFT %.3f s%s", cell.name,
                      _fmt(result["mean_acceptance_length"], ".3f"), result["output_tok_s"] or 0,
@@ -570,12 +650,41 @@ def engine_parity(stage: Stage, results: list[dict[str, Any]]) -> None:
         if r.get("failed"):
             continue
         path = stage.dir / "logs" / f"{r['engine']}-{r['run'].replace('/', '_')}.log"
-        text = path.read_text(errors="replace") if path.is_file() else ""
         r["failed"] = True
-        r["alarm"] = {
-            "why": why, "check": PARITY_CAUSES,
-            "engine_log": [x.strip() for x in text.splitlines() if LOG_HINTS.search(x)][-12:],
-            "root_cause": root_cause(path)}
+        r["alarm"] = {"why": why, "check": PARITY_CAUSES, "engine_log": engine_log_lines(path),
+                      "root_cause": root_cause(path)}
+
+
+def engine_log_lines(path: Path) -> list[str]:
+    """The engine log's last lines that bear on drafting (aux layers, drafter, speculation)."""
+    text = path.read_text(errors="replace") if path.is_file() else ""
+    return [x.strip() for x in text.splitlines() if LOG_HINTS.search(x)][-12:]
+
+
+def no_drafts(stage: Stage, result: dict[str, Any], log_path: Path) -> dict[str, Any]:
+    """A speculative cell that counted no drafts measured nothing: the server did not
+    speculate, or its counters are not where or what this code reads (another engine version).
+    It fails like a cell that accepts nothing, saying which of the two it saw; with
+    `bench.expect_trained: false` (a drafter known to be untrained) it is only reported."""
+    if result["run"] == BASELINE or result["num_drafts"] > 0:
+        return {}
+    where, names = DRAFT_SOURCES[result["engine"]]
+    seen = result.get("spec_metrics") or []
+    if names[0] in seen:
+        why = (f"{names[0]} is in {where} but counted 0 drafts over {result['num_requests']} "
+               f"requests: the server did not speculate")
+    else:
+        missing = (f"no {names[0]} in {where} (found only {', '.join(seen)}" if seen else
+                   f"no speculative counters in {where} (looked for {', '.join(names)}")
+        why = (f"{missing}): speculation is off, or this {result['engine']} names them "
+               f"otherwise")
+    if not stage.cfg.bench.expect_trained:
+        log.warning("%s: no drafts measured (%s); not failed: bench.expect_trained is false",
+                    result["cell"], why)
+        return {}
+    return {"failed": True, "alarm": {
+        "kind": NO_DRAFTS, "why": f"no drafts measured: {why}", "check": NO_DRAFTS_CAUSES,
+        "engine_log": engine_log_lines(log_path), "root_cause": root_cause(log_path)}}
 
 
 def alarm(stage: Stage, result: dict[str, Any], log_path: Path) -> dict[str, Any]:
@@ -588,12 +697,11 @@ def alarm(stage: Stage, result: dict[str, Any], log_path: Path) -> dict[str, Any
             or result["temperature"] > ALARM_MAX_TEMPERATURE or drafts < ALARM_DRAFTS \
             or length > ALARM_LENGTH:
         return {}
-    text = log_path.read_text(errors="replace") if log_path.is_file() else ""
-    lines = [x.strip() for x in text.splitlines() if LOG_HINTS.search(x)][-12:]
     return {"failed": True, "alarm": {
         "why": f"mean acceptance length {length:.3f} over {drafts} drafts (<= {ALARM_LENGTH}) "
                f"from a trained drafter (bench.expect_trained)",
-        "check": SILENT_CAUSES, "engine_log": lines, "root_cause": root_cause(log_path)}}
+        "check": SILENT_CAUSES, "engine_log": engine_log_lines(log_path),
+        "root_cause": root_cause(log_path)}}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -646,17 +754,24 @@ def finish_results(results: list[dict[str, Any]]) -> None:
 
 
 def best_depths(results: list[dict[str, Any]]) -> list[str]:
-    """The fastest depth per (engine, concurrency, prompt set, temperature)."""
+    """The fastest depth per (engine, concurrency, prompt set, temperature), among the cells
+    that measured acceptance: one that counted no drafts may not have speculated at all, so
+    its speed says nothing about its depth."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in results:
-        if r["run"] != BASELINE and r["output_tok_s"] and r["engine"] != REFERENCE:
+        if r["run"] != BASELINE and r["engine"] != REFERENCE:
             groups.setdefault(_group(r), []).append(r)
     lines = []
     for (engine, conc, ps, temp), rows in sorted(groups.items()):
-        best = max(rows, key=lambda r: r["output_tok_s"])
-        lines.append(f"- {engine}, concurrency {conc}, {ps}, T={temp:g}: **{best['run']}** "
-                     f"({_fmt(best['speedup'], '.2f')}x, acceptance length "
-                     f"{_fmt(best['mean_acceptance_length'], '.3f')})")
+        head = f"- {engine}, concurrency {conc}, {ps}, T={temp:g}: "
+        measured = [r for r in rows if r["output_tok_s"] and r["mean_acceptance_length"]
+                    is not None]
+        if not measured:
+            lines.append(head + "none (no depth measured acceptance)")
+            continue
+        best = max(measured, key=lambda r: r["output_tok_s"])
+        lines.append(head + f"**{best['run']}** ({_fmt(best['speedup'], '.2f')}x, acceptance "
+                     f"length {_fmt(best['mean_acceptance_length'], '.3f')})")
     return lines
 
 
@@ -712,7 +827,7 @@ def plot(results: list[dict[str, Any]], out: Path) -> list[str]:
                 label=f"{e} (reference decoder)" if e == REFERENCE else f"{e}, concurrency {conc0}")
     ax.set(xlabel="draft steps", ylabel="mean acceptance length",
            title=f"acceptance vs depth ({ps}, T={temp:g})")
-    ax.legend()
+    _legend(ax)
     written.append(_save(fig, out / "acceptance_vs_depth.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -723,7 +838,7 @@ def plot(results: list[dict[str, Any]], out: Path) -> list[str]:
             ax.plot(range(1, len(deepest["per_position_acceptance"]) + 1),
                     deepest["per_position_acceptance"], "o-", label=f"{e} {deepest['run']}")
     ax.set(xlabel="draft position", ylabel="acceptance", title="per-position acceptance")
-    ax.legend()
+    _legend(ax)
     written.append(_save(fig, out / "per_position.png"))
 
     engines = [e for e in engines if e != REFERENCE]  # no serving speed, no speed-up
@@ -738,9 +853,14 @@ def plot(results: list[dict[str, Any]], out: Path) -> list[str]:
                     label=f"concurrency {c}")
         ax.axhline(1.0, color="grey", lw=0.5)
         ax.set(xlabel="draft steps", ylabel="speed-up over no speculation", title=e)
-        ax.legend()
+        _legend(ax)
     written.append(_save(fig, out / "speedup_vs_depth.png"))
     return written
+
+
+def _legend(ax: Any) -> None:
+    if ax.get_legend_handles_labels()[0]:  # cells that counted no drafts draw no line
+        ax.legend()
 
 
 def _save(fig: Any, path: Path) -> str:
@@ -769,6 +889,16 @@ def report(stage: Stage, results: list[dict[str, Any]], sets: dict[str, list]) -
                      f"measured {_fmt(r['mean_acceptance_length'], '.3f')}" for r in predicted)
                  + "\n")
     return text
+
+
+def failed_what(failed: list[dict[str, Any]]) -> str:
+    """What the failed cells have in common, for the stage's one line."""
+    measured = [r for r in failed if r["alarm"].get("kind") != NO_DRAFTS]
+    parts = ["measured no drafts"] if len(measured) < len(failed) else []
+    if measured:
+        parts.append("accept nothing or less than the reference decoder" if any(
+            r.get("reference_acceptance_length") for r in measured) else "accept nothing")
+    return " or ".join(parts)
 
 
 def run_bench(stage: Stage) -> None:
@@ -806,10 +936,8 @@ def run_bench(stage: Stage) -> None:
     failed = [r for r in results if r.get("failed")]
     if failed:
         a = failed[0]["alarm"]
-        what = ("accept nothing or less than the reference decoder" if any(
-            r.get("reference_acceptance_length") for r in failed) else "accept nothing")
-        raise StageError(f"{len(failed)} cell(s) {what}: {failed[0]['cell']}: {a['why']}"
-                         f". Check: {'; '.join(a['check'])}. Engine log lines: "
+        raise StageError(f"{len(failed)} cell(s) {failed_what(failed)}: {failed[0]['cell']}: "
+                         f"{a['why']}. Check: {'; '.join(a['check'])}. Engine log lines: "
                          f"{' | '.join(a['engine_log'][-3:]) or 'none'} (results/"
                          f"{failed[0]['cell']}.json has all of it)")
     stage.write_manifest(
