@@ -914,7 +914,7 @@ def run_bench(stage: Stage) -> None:
             raise StageError(f"no {fmt} export in {stage.upstream(5).dir}"
                              f"{' (the hf reference decoder reads it)' if fmt != engine.name else ''}"
                              f": add {fmt} to export.formats and rerun "
-                             f"`python 05_fix_keys.py {cfg.source}`")
+                             f"`{stage.upstream(5).command()}`")
     sets = prompt_sets(cfg)
     tok = (load_tokenizer(cfg) if any(e.name in ("sglang", REFERENCE) for e in cfg.bench.engines)
            else None)
