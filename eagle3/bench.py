@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from eagle3.config import BenchEngineConfig, Config, Depth, ServerConfig, SourceConfig
+from eagle3.config import (BenchEngineConfig, Config, Depth, ServerConfig, SourceConfig,
+                           check_sglang_engines)
 from eagle3.cpu import resolve_dtype
 from eagle3.engines import Server, http_get, root_cause, start_server
 from eagle3.runs import (Stage, StageError, atomic_write_json, atomic_write_text, clean_stale_tmp,
@@ -907,6 +908,7 @@ def run_bench(stage: Stage) -> None:
 
     started = time.time()
     cfg = stage.cfg
+    check_sglang_engines(cfg)  # SGLang's drafter backend vs an MLA verifier (docs/engines.md)
     stage.require(5)
     for engine in cfg.bench.engines:
         fmt = "vllm" if engine.name == REFERENCE else engine.name  # the reference reads vLLM's

@@ -606,6 +606,56 @@ def sglang_depth_problem(depth: Depth, extra_args: list[str]) -> Optional[str]:
     return None
 
 
+MLA_ONLY_BACKENDS = ("trtllm_mla", "cutedsl_mla", "tokenspeed_mla", "flashmla")
+"""SGLang attention backends that serve MLA models only: the trtllm_mla and cutedsl_mla factories
+raise "can only be used with MLA models" for any other (tokenspeed_mla is cutedsl_mla's alias);
+flashmla is an MLA backend class (FlashMLABackend extends FlashInferMLAAttnBackend)."""
+
+DRAFT_BACKEND_FLAG = "--speculative-draft-attention-backend"
+MLA_DRAFT_BACKEND_ARGS = (DRAFT_BACKEND_FLAG, "flashinfer")
+"""What an MLA verifier's SGLang server needs: flashinfer for the drafter (MHA), whatever the
+verifier gets (docs/engines.md, "The drafter's attention backend")."""
+
+
+def sglang_draft_backend_problem(extra_args: list[str],
+                                 mla_verifier: Optional[bool] = None) -> Optional[str]:
+    """Why SGLang 0.5.23's EAGLE-3 draft worker would fail at start-up with these server args,
+    or None. Our drafter is a Llama layer (MHA); it runs on --speculative-draft-attention-backend,
+    else on the target's (prefill, decode) backends (docs/engines.md). `mla_verifier` None (not
+    known yet, e.g. at config load): only what holds for every verifier is checked."""
+    draft = _flag(extra_args, DRAFT_BACKEND_FLAG)
+    if draft is not None:
+        if draft in MLA_ONLY_BACKENDS:
+            return (f"{DRAFT_BACKEND_FLAG} {draft} serves MLA models only and the drafter is "
+                    f"a Llama layer: use flashinfer")
+        return None
+    base = _flag(extra_args, "--attention-backend")
+    inherited = {_flag(extra_args, f"--{phase}-attention-backend") or base
+                 for phase in ("prefill", "decode")}
+    mla_only = sorted(b for b in inherited if b in MLA_ONLY_BACKENDS)
+    if mla_only:
+        return (f"the drafter inherits the verifier's attention backend {mla_only[0]}, which "
+                f"serves MLA models only: add {DRAFT_BACKEND_FLAG} flashinfer to "
+                f"server.extra_args")
+    if mla_verifier and None in inherited:
+        return (f"an MLA verifier on SGLang needs {DRAFT_BACKEND_FLAG} (e.g. flashinfer) in "
+                f"server.extra_args: on Blackwell SGLang gives the target trtllm_mla, which the "
+                f"Llama-layer drafter cannot run")
+    return None
+
+
+def check_sglang_engines(cfg: Config) -> None:
+    """Stage 06's check of its sglang engine against the verifier (which config loading may
+    not have): a ConfigError naming the missing flag when SGLang could not serve the drafter."""
+    for engine in cfg.bench.engines:
+        if engine.name != "sglang":
+            continue
+        problem = sglang_draft_backend_problem(list(engine.server.extra_args),
+                                               cfg.verifier_info.mla)
+        if problem:
+            raise ConfigError(f"bench.engines[sglang]: {problem}")
+
+
 @dataclass(frozen=True)
 class BenchEngineConfig:
     name: Literal["vllm", "sglang", "hf"]
@@ -657,6 +707,11 @@ class BenchEngineConfig:
             problem = sglang_depth_problem(depth, list(self.server.extra_args))
             if self.name == "sglang" and problem:
                 raise ConfigError(f"{where}: {depth.label}: {problem}")
+        # What is wrong for every verifier is refused here; the MLA rule needs the verifier's
+        # config, which stage 06 has (check_sglang_engines).
+        problem = sglang_draft_backend_problem(list(self.server.extra_args))
+        if self.name == "sglang" and problem:
+            raise ConfigError(f"bench.engines[sglang].server.extra_args: {problem}")
         if self.name == "sglang" and self.draft_tp is not None:
             raise ConfigError("bench.engines[sglang].draft_tp: SGLang 0.5.23 runs the draft in "
                               "the target's tensor-parallel group; remove it")
@@ -703,7 +758,8 @@ class BenchConfig:
     """Sampling temperatures (0 = greedy); each value is one cell of the sweep."""
     expect_trained: bool = True
     """A drafter accepting nothing (mean acceptance length <= 1.05 over >= 100 drafts) fails
-    its cell with the silent-failure causes to check; false for a random drafter."""
+    its cell with the silent-failure causes to check, and a speculative cell that counts no
+    drafts at all fails too; false for a random drafter (both are then warnings)."""
 
     def __post_init__(self) -> None:
         _positive("bench.num_prompts", self.num_prompts)
@@ -812,6 +868,11 @@ def text_config(raw: dict[str, Any]) -> dict[str, Any]:
     return text if isinstance(text, dict) else raw
 
 
+def uses_mla(text: dict[str, Any]) -> bool:
+    """Multi-head latent attention (DeepSeek-V3, Kimi-K2.5), from the text model's config."""
+    return text.get("kv_lora_rank") is not None
+
+
 NO_DEFAULT = object()
 
 
@@ -898,7 +959,7 @@ def read_verifier_info(verifier: VerifierConfig) -> VerifierInfo:
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings",
                                                                           False))),
         aux_layer_ids=tuple(ids),
-        mla=text.get("kv_lora_rank") is not None,
+        mla=uses_mla(text),
     )
 
 

@@ -62,6 +62,7 @@ def run_provenance(cfg: Any, checkpoint: Path, step: Optional[int]) -> dict[str,
         # its figures reach a card through `05_fix_keys.py --from` this export.
         "acceptance": [],
         "trust_remote_code": cfg.verifier.trust_remote_code,
+        "verifier_mla": cfg.verifier_info.mla,
         # How stage 06 has the engine draft at T > 0 (vLLM's draft_sample_method): the serve
         # command should draft the way the drafter was trained and measured.
         "draft_sample": {e.name: e.draft_sample for e in cfg.bench.engines},
@@ -74,7 +75,7 @@ def directory_provenance(src: Path, verifier: Optional[str]) -> dict[str, Any]:
     record = _read_json(src / "eagle3_export.json") or {}
     ckpt = (record.get("source") or {}).get("checkpoint")
     out: dict[str, Any] = {"verifier": verifier, "converted_from": str(src), "training": {},
-                           "vocab": {}, "acceptance": []}
+                           "vocab": {}, "acceptance": [], "verifier_mla": verifier_mla(verifier)}
     if ckpt:
         run = Path(ckpt).parent.parent  # <run>/04_train/step-N
         out["checkpoint"] = ckpt
@@ -82,18 +83,36 @@ def directory_provenance(src: Path, verifier: Optional[str]) -> dict[str, Any]:
         out["training"], out["vocab"] = made.get("training", {}), made.get("vocab", {})
         out["trust_remote_code"] = made.get("trust_remote_code", False)
         out["draft_sample"] = made.get("draft_sample", {})
+        if out["verifier_mla"] is None:  # the verifier is not here: the run knew
+            out["verifier_mla"] = made.get("verifier_mla")
         out["acceptance"] = measured_acceptance(run)
     return out
 
 
+def verifier_mla(verifier: Optional[str]) -> Optional[bool]:
+    """Whether the verifier uses multi-head latent attention (as VerifierInfo.mla); None when
+    its config.json is not readable here."""
+    from eagle3.config import ConfigError, read_verifier_config, text_config, uses_mla
+
+    if not verifier:
+        return None
+    try:
+        return uses_mla(text_config(read_verifier_config(Path(verifier))))
+    except ConfigError:
+        return None
+
+
 def serve_commands(fmt: str, export_dir: Path, siblings: dict[str, Path], verifier: str,
                    trust_remote_code: bool, draft_sample: Optional[dict[str, str]] = None,
-                   depth: int = 3) -> dict[str, str]:
+                   depth: int = 3, mla: Optional[bool] = None) -> dict[str, str]:
     """Engine -> the command that serves the verifier with this drafter (or its sibling export
     for the other engine), with stage 06's own flags at a chain of `depth` and the run's way of
-    drafting at T > 0 (`draft_sample`: engine -> bench.engines[].draft_sample)."""
+    drafting at T > 0 (`draft_sample`: engine -> bench.engines[].draft_sample). SGLang gets the
+    drafter its own attention backend unless the verifier is known not to be MLA (`mla`): on
+    Blackwell an MLA verifier's trtllm_mla would stop the drafter, and on NVIDIA GPUs flashinfer
+    serves any Llama-layer drafter (docs/engines.md, "The drafter's attention backend")."""
     from eagle3.bench import engine_args
-    from eagle3.config import BenchEngineConfig, Depth
+    from eagle3.config import MLA_DRAFT_BACKEND_ARGS, BenchEngineConfig, Depth
 
     out = {}
     dirs = {ENGINE_OF[f]: d for f, d in siblings.items() if f != "speculators"}
@@ -105,6 +124,8 @@ def serve_commands(fmt: str, export_dir: Path, siblings: dict[str, Path], verifi
                             Depth(depth, 1, depth + 1), d, 1, metrics=False)
         head = (["vllm", "serve", verifier] if engine == "vllm" else
                 ["python", "-m", "sglang.launch_server", "--model-path", verifier])
+        if engine == "sglang" and mla is not False:
+            flags += MLA_DRAFT_BACKEND_ARGS
         out[engine] = shlex.join(head + flags + remote)
     if fmt == "speculators":  # the verifier is named in the config
         out["vllm (this directory alone)"] = shlex.join(["vllm", "serve", str(export_dir)])
@@ -156,10 +177,16 @@ def model_card(fmt: str, record: dict[str, Any], provenance: dict[str, Any], exp
         lines.append("Not measured yet: run `06_deploy_and_bench.py`, then export again with "
                      "`05_fix_keys.py --from` this directory to carry the figures here.")
     lines += ["", "## Serve", ""]
-    for engine, cmd in serve_commands(fmt, export_dir, siblings, verifier,
-                                      bool(provenance.get("trust_remote_code")),
-                                      provenance.get("draft_sample")).items():
+    mla = provenance.get("verifier_mla")
+    commands = serve_commands(fmt, export_dir, siblings, verifier,
+                              bool(provenance.get("trust_remote_code")),
+                              provenance.get("draft_sample"), mla=mla)
+    for engine, cmd in commands.items():
         lines += [f"{engine}:", "", "```bash", cmd, "```", ""]
+    if "sglang" in commands and mla is not False:
+        lines += ["SGLang runs the drafter on its own attention backend (`--speculative-draft-"
+                  "attention-backend flashinfer`): on Blackwell it gives an MLA verifier "
+                  "trtllm_mla, which this Llama-layer drafter cannot run.", ""]
     if (provenance.get("draft_sample") or {}).get("vllm") == "probabilistic":
         lines += ["vLLM drafts by sampling here (`draft_sample_method`): at T > 0 it accepts "
                   "with min(1, p/q), what this drafter was measured with. SGLang drafts it "

@@ -23,7 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from eagle3.config import Config, ConfigError, VerifierInfo, load_config, read_verifier_info
+from eagle3.config import (Config, ConfigError, VerifierInfo, load_config, read_verifier_info,
+                           sglang_draft_backend_problem)
 from eagle3.cpu import cpu_verdicts, features
 from eagle3.runs import StageError
 
@@ -437,9 +438,22 @@ def render_plan(cfg: Config) -> tuple[str, list[Verdict]]:
     lines += _proposals(cfg, disk, d)
     lines += ["", "engine commands (port numbers are chosen at run time):"]
     lines += [f"  {name}: {' '.join(cmd)}" for name, cmd in engine_commands(cfg).items()]
-    verdicts = preflight(cfg, disk[cfg.hidden_states.dtype]) + [memory_verdict(cfg, mem)]
+    verdicts = (preflight(cfg, disk[cfg.hidden_states.dtype]) + [memory_verdict(cfg, mem)]
+                + _sglang_backend_verdicts(cfg, info))
     lines += ["", "preflight:"] + [v.line() for v in verdicts]
     return "\n".join(lines), verdicts
+
+
+def _sglang_backend_verdicts(cfg: Config, info: VerifierInfo) -> list[Verdict]:
+    """Stage 06's SGLang drafter-backend rule, told at planning time (the verifier's shape may
+    come from plan.verifier_config here)."""
+    out = []
+    for engine in cfg.bench.engines:
+        if engine.name == "sglang":
+            problem = sglang_draft_backend_problem(list(engine.server.extra_args), info.mla)
+            out.append(Verdict("sglang drafter attention backend", problem is None,
+                               problem or "the drafter gets a backend it can run"))
+    return out
 
 
 def _loads_line(cfg: Config) -> str:

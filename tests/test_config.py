@@ -261,3 +261,77 @@ def test_overrides_are_kept_for_the_commands_messages_suggest(tmp_path):
     assert Stage(cfg, 2).command("--restart") == (
         f"python 02_extract_hidden_states.py {cfg.source} train.lr=0.01 "
         f"'data.system_prompt=Be brief.' --restart")
+
+
+def mla_verifier(tmp_path: Path) -> Path:
+    """fake_verifier's Kimi-style wrapper with an MLA text model (`kv_lora_rank`)."""
+    d = fake_verifier(tmp_path, nested=True)
+    raw = json.loads((d / "config.json").read_text())
+    raw["text_config"]["kv_lora_rank"] = 32
+    (d / "config.json").write_text(json.dumps(raw))
+    return d
+
+
+def sglang_engine(*extra_args: str) -> dict:
+    return {"engines": [{"name": "sglang", "depths": [3],
+                         "server": {"extra_args": list(extra_args)}}]}
+
+
+@pytest.mark.parametrize("mla,extra_args,refused", [
+    (True, [], True),
+    (True, ["--reasoning-parser", "kimi_k2"], True),
+    (True, ["--speculative-draft-attention-backend", "flashinfer"], False),
+    (True, ["--attention-backend", "flashinfer"], False),       # the trees' rule serves it too
+    (False, [], False)])                                         # an MHA verifier's backend fits
+def test_an_mla_verifier_on_sglang_needs_a_backend_for_the_drafter(tmp_path, mla, extra_args,
+                                                                   refused):
+    """On Blackwell SGLang gives an MLA verifier trtllm_mla, which the Llama-layer drafter
+    inherits and cannot run: stage 06 (check_sglang_engines) refuses the engine in one line
+    naming the flag unless the drafter or the verifier is given a backend."""
+    from eagle3.config import check_sglang_engines
+
+    raw = base(tmp_path, bench=sglang_engine(*extra_args))
+    if mla:
+        mla_verifier(tmp_path)
+    cfg = config_from_dict(raw)
+    assert cfg.verifier_info.mla is mla
+    if not refused:
+        check_sglang_engines(cfg)
+        return
+    with pytest.raises(ConfigError) as e:
+        check_sglang_engines(cfg)
+    assert str(e.value) == (
+        "bench.engines[sglang]: an MLA verifier on SGLang needs "
+        "--speculative-draft-attention-backend (e.g. flashinfer) in server.extra_args: on "
+        "Blackwell SGLang gives the target trtllm_mla, which the Llama-layer drafter cannot run")
+
+
+def test_the_kimi_config_gives_its_drafter_a_backend():
+    """configs/kimi-k2.5.yaml's sglang engine passes stage 06's check against Kimi-K2.5's shape,
+    and would not without its --speculative-draft-attention-backend."""
+    from eagle3.config import check_sglang_engines
+
+    shape = "verifier.path=" + str(REPO / "configs/verifiers/kimi-k2.5")
+    check_sglang_engines(load_config(REPO / "configs/kimi-k2.5.yaml", [shape]))
+    bare = load_config(REPO / "configs/kimi-k2.5.yaml",
+                       [shape, "bench.engines.0.server.extra_args=[--reasoning-parser, kimi_k2]"])
+    with pytest.raises(ConfigError, match="needs --speculative-draft-attention-backend"):
+        check_sglang_engines(bare)
+
+
+@pytest.mark.parametrize("extra_args,message", [
+    (["--attention-backend", "trtllm_mla"], "inherits the verifier's attention backend trtllm_mla"),
+    (["--decode-attention-backend", "cutedsl_mla"], "inherits .* cutedsl_mla"),
+    (["--speculative-draft-attention-backend", "trtllm_mla"], "serves MLA models only")])
+def test_an_mla_only_backend_for_the_drafter_is_refused_at_load(tmp_path, extra_args, message):
+    """Whatever the verifier, the Llama-layer drafter never runs on an MLA-only backend: refused
+    when the config is loaded (no verifier needed)."""
+    with pytest.raises(ConfigError, match=f"bench.engines\\[sglang\\].server.extra_args: .*"
+                                          f"{message}"):
+        config_from_dict(base(tmp_path, bench=sglang_engine(*extra_args)))
+
+
+def test_the_verifier_keeps_an_mla_backend_beside_a_drafter_with_its_own(tmp_path):
+    config_from_dict(base(tmp_path, bench=sglang_engine(
+        "--attention-backend", "trtllm_mla",
+        "--speculative-draft-attention-backend", "flashinfer")))

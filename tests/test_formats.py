@@ -388,3 +388,37 @@ def test_speculators_export_names_the_verifier_by_absolute_path(tmp_path, tiny_v
     run_export(Stage(cfg, 5))
     conf = json.loads((Stage(cfg, 5).dir / "speculators" / "config.json").read_text())
     assert conf["speculators_config"]["verifier"]["name_or_path"] == str(tiny_verifier.resolve())
+
+
+@pytest.mark.parametrize("mla,flag", [(True, True), (False, False), (None, True)])
+def test_model_card_gives_the_sglang_drafter_its_own_backend_beside_an_mla_verifier(
+        tmp_path, mla, flag):
+    """On Blackwell SGLang gives an MLA verifier (Kimi, DeepSeek) trtllm_mla, which the
+    Llama-layer drafter inherits and cannot run: the card's SGLang command carries
+    --speculative-draft-attention-backend flashinfer unless the verifier is known not to be MLA
+    (flashinfer serves the drafter beside any verifier on NVIDIA GPUs)."""
+    from eagle3.model_card import model_card
+
+    out = export(tmp_path, "sglang")
+    summary = validate_export(out, "sglang", DRAFT, _AUX, CTX)
+    card = model_card("sglang", summary, {"verifier": "/verifiers/tiny", "verifier_mla": mla},
+                      out, {"sglang": out, "vllm": tmp_path / "vllm"})
+    sglang = next(line for line in card.splitlines() if "sglang.launch_server" in line)
+    vllm = next(line for line in card.splitlines() if line.startswith("vllm serve"))
+    assert ("--speculative-draft-attention-backend flashinfer" in sglang) is flag
+    assert "--speculative-draft-attention-backend" not in vllm
+    assert f"--speculative-draft-model-path {out}" in sglang
+
+
+def test_run_export_card_knows_whether_the_verifier_is_mla(tmp_path, tiny_verifier):
+    """Stage 05 records the verifier's attention (a Llama: not MLA), so its card's SGLang
+    command leaves the drafter's backend to SGLang."""
+    from eagle3.export import run_export
+    from eagle3.runs import Stage
+
+    cfg = _fake_train_run(tmp_path, tiny_verifier)
+    run_export(Stage(cfg, 5))
+    report = json.loads((Stage(cfg, 5).dir / "report.json").read_text())
+    assert report["provenance"]["verifier_mla"] is False
+    card = (Stage(cfg, 5).dir / "sglang" / "README.md").read_text()
+    assert "sglang.launch_server" in card and "--speculative-draft-attention-backend" not in card

@@ -5,8 +5,9 @@
 `make setup-sglang` installs SGLang 0.5.23 without its GPU dependencies in `.venv-sglang`;
 `tests/sglang_tools/parse_args.py` runs SGLang's argument parser and its whole resolution
 pipeline (what `python -m sglang.launch_server` does before loading a model) on a command, with
-the platform answered as an H100 or a B200. Nothing here re-implements SGLang: where our rule
-and SGLang disagree, the test fails.
+the platform answered as an H100 or a B200, and `tests/sglang_tools/draft_runner.py` has SGLang's
+ModelRunner code create the target's and the draft worker's attention backends for it. Nothing
+here re-implements SGLang: where our rule and SGLang disagree, the test fails.
 """
 
 import json
@@ -148,6 +149,99 @@ print(json.dumps(out))
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     return dict(zip(trees, json.loads(out.stdout.strip().splitlines()[-1])))
+
+
+# ---------------------------------------------------------------------------------------------
+# SGLang's model-runner code judges the drafter's attention backend: with "backends": true,
+# parse_args.py hands the resolved command to tests/sglang_tools/draft_runner.py, which builds
+# SGLang's ModelRunner for the target and for the EAGLE-3 draft worker up to their first GPU call
+# and lets SGLang's own resolution and backend registry create each runner's attention backend
+# (stopping where the chosen backend object would allocate on the GPU).
+
+
+def kimi_drafter_config(tmp_path: Path, cfg) -> str:
+    """The config.json stage 05 writes into the sglang export of cfg's drafter (eagle3.formats),
+    for the Kimi-K2.5 shape of `plan.verifier_config` (the verifier itself is not here)."""
+    import dataclasses
+
+    from eagle3.config import read_verifier_info
+    from eagle3.formats import ExportContext, get_format
+    from eagle3.train import draft_model_config
+
+    info = read_verifier_info(dataclasses.replace(cfg.verifier, path=cfg.plan.verifier_config))
+    draft = draft_model_config(cfg, info.vocab_size, cfg.vocab.draft_vocab_size, info)
+    config = get_format("sglang").config(draft, list(info.aux_layer_ids),
+                                         ExportContext(str(cfg.verifier_path), info.architecture))
+    path = tmp_path / "kimi-drafter-config.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+def test_kimi_drafter_gets_an_attention_backend_it_can_run(tmp_path):
+    """On Blackwell SGLang gives Kimi's MLA target trtllm_mla, and a draft worker with no backend
+    of its own inherits the target's, whose factory refuses a model that is not MLA. Every depth
+    of configs/kimi-k2.5.yaml, and the SGLang command of the export's model card, must give our
+    Llama-layer drafter a backend it runs on (SGLang's own runner code decides), on Blackwell and
+    Hopper, with the target keeping trtllm_mla on Blackwell."""
+    import shlex
+
+    from eagle3.config import load_config
+    from eagle3.model_card import serve_commands
+
+    cfg = load_config(REPO / "configs" / "kimi-k2.5.yaml")
+    drafter = kimi_drafter_config(tmp_path, cfg)
+    card = serve_commands("sglang", cfg.run_dir / "05_export" / "sglang", {},
+                          str(cfg.verifier_path), True, mla=True)["sglang"]
+    commands = [cmd for _, cmd in stage6_commands(cfg)] + [shlex.split(card)]
+    cases = [{"argv": cmd, "platform": p, "target_config": KIMI, "draft_config": drafter,
+              "backends": True} for p in ("b200", "h100") for cmd in commands]
+    for case, got in zip(cases, sglang_resolve(tmp_path, cases)):
+        assert "error" not in got, (case["platform"], got)
+        draft, target = got["backends"]["draft"], got["backends"]["target"]
+        assert draft == {"backend": "flashinfer", "mla_model": False,
+                         "class": "FlashInferAttnBackend"}, (case["platform"], draft)
+        if case["platform"] == "b200":
+            assert target == {"backend": "trtllm_mla", "mla_model": True,
+                              "class": "TRTLLMMLABackend"}, target
+
+
+# (server extra args, target): the drafter's backend on a B200, around our rule.
+DRAFT_BACKEND_CASES = [
+    ([], "kimi"), ([], "llama"),
+    (["--speculative-draft-attention-backend", "flashinfer"], "kimi"),
+    (["--speculative-draft-attention-backend", "triton"], "kimi"),
+    (["--speculative-draft-attention-backend", "trtllm_mla"], "kimi"),
+    (["--attention-backend", "flashinfer"], "kimi"),   # the trees' rule serves the drafter too
+    (["--attention-backend", "triton"], "kimi"),
+    (["--attention-backend", "trtllm_mla"], "kimi"),
+    (["--attention-backend", "cutedsl_mla"], "kimi"),
+    (["--prefill-attention-backend", "flashinfer", "--decode-attention-backend", "trtllm_mla"],
+     "kimi"),
+    (["--attention-backend", "trtllm_mla", "--speculative-draft-attention-backend", "flashinfer"],
+     "kimi"),
+]
+
+
+def test_our_draft_backend_rule_agrees_with_sglang(tmp_path):
+    """eagle3.config.sglang_draft_backend_problem refuses exactly the server args with which
+    SGLang's runner code cannot create the drafter's attention backend on a B200 (where an MLA
+    verifier's default is trtllm_mla)."""
+    from eagle3.config import load_config, sglang_draft_backend_problem
+
+    kimi = kimi_drafter_config(tmp_path, load_config(REPO / "configs" / "kimi-k2.5.yaml"))
+    configs = {"kimi": (KIMI, kimi), "llama": ("llama", "eagle3")}
+    cases = [{"argv": ["--model-path", "/m", "--speculative-algorithm", "EAGLE3",
+                       "--speculative-draft-model-path", "/d", "--speculative-num-steps", "3",
+                       "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4",
+                       *extra],
+              "platform": "b200", "target_config": configs[target][0],
+              "draft_config": configs[target][1], "backends": True}
+             for extra, target in DRAFT_BACKEND_CASES]
+    for (extra, target), got in zip(DRAFT_BACKEND_CASES, sglang_resolve(tmp_path, cases)):
+        assert "error" not in got, (extra, target, got)
+        ours = sglang_draft_backend_problem(extra, mla_verifier=target == "kimi")
+        runs = "class" in got["backends"]["draft"]
+        assert (ours is None) == runs, (extra, target, ours, got["backends"])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,8 +7,10 @@
         --speculative-algorithm EAGLE3 --speculative-draft-model-path /x/draft ...
     python parse_args.py --cases cases.json      # many commands, one import of SGLang
 
-cases.json is a list of {"argv": [...], "platform", "target_config", "draft_config"}; the
-answer is one JSON list, per case the resolved fields or {"error", "message"}.
+cases.json is a list of {"argv": [...], "platform", "target_config", "draft_config",
+"backends"}; the answer is one JSON list, per case the resolved fields or {"error", "message"}.
+With "backends": true the answer also has "backends": {"target": ..., "draft": ...}, the
+attention backend SGLang's ModelRunner code creates for each (draft_runner.py).
 
 What runs (all SGLang code, nothing re-implemented):
   * sglang.srt.server_args.prepare_server_args(argv)      server_args.py:668
@@ -182,12 +184,14 @@ class _Collect(logging.Handler):
 
 
 def parse(argv: list[str], platform: str = "h100", target_config: str = "llama",
-          draft_config: str = "eagle3") -> dict:
+          draft_config: str = "eagle3", backends: bool = False) -> dict:
     """Run SGLang's parser + resolution on `argv`; return the resolved fields.
 
     Raises whatever SGLang raises (ValueError/AssertionError/TypeError...) when
     SGLang rejects the arguments.  One call per ServerArgs record; safe to call
-    repeatedly in one process (platform override is scoped)."""
+    repeatedly in one process (platform override is scoped). `backends`: also build
+    the target's and the draft worker's attention backends with SGLang's ModelRunner
+    code (draft_runner.py), under the same platform; answered in out["backends"]."""
     sglang_cpu.install_torchvision_stub()
     from sglang.srt.arg_groups.overrides import resolution_result
     from sglang.srt.runtime_context import override_platform
@@ -224,13 +228,18 @@ def parse(argv: list[str], platform: str = "h100", target_config: str = "llama",
         ]
         out["_log"] = collector.records
         out["_stand_ins"] = {v: k for k, v in mapping.items()}
+        if backends:
+            import draft_runner
+
+            out["backends"] = draft_runner.attention_backends(server_args)
     return out
 
 
 def parse_or_error(case: dict) -> dict:
     try:
         return parse(list(case["argv"]), case.get("platform", "h100"),
-                     case.get("target_config", "llama"), case.get("draft_config", "eagle3"))
+                     case.get("target_config", "llama"), case.get("draft_config", "eagle3"),
+                     case.get("backends", False))
     except (Exception, SystemExit) as e:  # SGLang rejected the arguments (argparse exits)
         return {"error": type(e).__name__, "message": str(e)}
 

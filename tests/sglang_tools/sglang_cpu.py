@@ -22,6 +22,12 @@ for torch 2.13 are CUDA builds that break transformers' image utils), so we
 
 `remove_torchvision_stub()` undoes step 2 (modules that already bound a stub
 attribute keep it).
+
+`install_web_server_stubs()` does the same for uvicorn and fastapi, when they are not
+installed: `sglang/srt/model_executor/model_runner.py` imports
+`sglang/srt/distributed/gated_launch.py`, whose lines 8-10 import uvicorn and fastapi for an
+HTTP gate no runner built by our tools starts (tests/sglang_tools/draft_runner.py builds
+SGLang's ModelRunner up to its first GPU call).
 """
 
 from __future__ import annotations
@@ -59,9 +65,14 @@ class _StubModule(types.ModuleType):
         return _Dummy()
 
 
-class _TorchvisionFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves inert modules for the top-level packages in `names` and their submodules."""
+
+    def __init__(self, names):
+        self.names = set(names)
+
     def find_spec(self, fullname, path=None, target=None):
-        if fullname == "torchvision" or fullname.startswith("torchvision."):
+        if fullname.split(".", 1)[0] in self.names:
             return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
         return None
 
@@ -75,7 +86,8 @@ class _TorchvisionFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
-_FINDER = _TorchvisionFinder()
+_FINDER = _StubFinder({"torchvision"})
+_WEB_FINDER = _StubFinder({"uvicorn", "fastapi"})
 
 
 def install_torchvision_stub() -> None:
@@ -96,3 +108,10 @@ def remove_torchvision_stub() -> None:
         sys.meta_path.remove(_FINDER)
     for k in [k for k in sys.modules if k == "torchvision" or k.startswith("torchvision.")]:
         del sys.modules[k]
+
+
+def install_web_server_stubs() -> None:
+    """Inert uvicorn and fastapi where they are not installed: the finder comes after the
+    real ones, so an installed package is always the one imported."""
+    if _WEB_FINDER not in sys.meta_path:
+        sys.meta_path.append(_WEB_FINDER)
