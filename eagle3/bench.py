@@ -264,10 +264,11 @@ def _stream(server: Server, path: str, payload: dict[str, Any],
 
 
 def vllm_request(server: Server, messages: list[dict[str, Any]], max_tokens: int,
-                 temperature: float, settings: ServerConfig) -> dict[str, Any]:
+                 temperature: float, settings: ServerConfig, top_p: float = 1.0
+                 ) -> dict[str, Any]:
     """One chat completion through vLLM's OpenAI server (it applies the chat template)."""
     payload = {"model": server.model, "messages": messages, "max_tokens": max_tokens,
-               "temperature": temperature, "stream": True,
+               "temperature": temperature, "top_p": top_p, "stream": True,
                "stream_options": {"include_usage": True}}
     start, first, text, reasoning, usage = time.time(), None, [], [], {}
     for chunk in _stream(server, "/v1/chat/completions", payload, settings):
@@ -286,10 +287,11 @@ def vllm_request(server: Server, messages: list[dict[str, Any]], max_tokens: int
 
 
 def sglang_request(server: Server, prompt: str, max_tokens: int, temperature: float,
-                   settings: ServerConfig) -> dict[str, Any]:
+                   settings: ServerConfig, top_p: float = 1.0) -> dict[str, Any]:
     """One generation through SGLang's native /generate on the text the pipeline rendered."""
     payload = {"text": prompt, "stream": True,
-               "sampling_params": {"max_new_tokens": max_tokens, "temperature": temperature}}
+               "sampling_params": {"max_new_tokens": max_tokens, "temperature": temperature,
+                                   "top_p": top_p}}
     start, first, last = time.time(), None, {}
     for chunk in _stream(server, "/generate", payload, settings):
         if first is None and chunk.get("text"):
@@ -357,6 +359,11 @@ def _digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def cell_top_p(top_p: float, temperature: float) -> float:
+    """`bench.top_p` where it samples (T > 0); greedy cells send 1, which changes nothing."""
+    return top_p if temperature > 0 else 1.0
+
+
 def cell_settings(stage: Stage, engine: BenchEngineConfig, cell: Cell,
                   prompts: list[dict[str, Any]]) -> dict[str, Any]:
     """Everything a saved cell depends on: a change of any of them redoes exactly that cell."""
@@ -365,6 +372,8 @@ def cell_settings(stage: Stage, engine: BenchEngineConfig, cell: Cell,
               if not k.endswith("timeout_s") and k != "port"}  # neither changes a result
     sampling = ({"draft_sample": engine.draft_sample}  # greedy cells are alike either way
                 if cell.temperature > 0 and engine.draft_sample != "greedy" else {})
+    if cell_top_p(stage.cfg.bench.top_p, cell.temperature) < 1:
+        sampling["top_p"] = stage.cfg.bench.top_p
     if engine.name == REFERENCE:  # no server: the verifier's own dtype decides its numerics
         server = {"verifier_dtype": stage.cfg.verifier.dtype}
     else:
@@ -418,17 +427,18 @@ def run_cell(stage: Stage, engine: BenchEngineConfig, server: Server, cell: Cell
     from eagle3.data import render
 
     b = stage.cfg.bench
+    top_p = cell_top_p(b.top_p, cell.temperature)
     if engine.name == "vllm":
         before = spec_counters(http_get(server.url("/metrics"), engine.server))
         rows, wall = run_prompts(lambda p: vllm_request(
-            server, p["messages"], b.max_tokens, cell.temperature, engine.server),
+            server, p["messages"], b.max_tokens, cell.temperature, engine.server, top_p),
             prompts, cell.concurrency)
         after = spec_counters(http_get(server.url("/metrics"), engine.server))
         stats = acceptance_stats(before, after) | {"spec_metrics": sorted(after.names)}
     else:
         rows, wall = run_prompts(lambda p: sglang_request(
             server, render(tok, p["messages"], add_generation_prompt=True), b.max_tokens,
-            cell.temperature, engine.server), prompts, cell.concurrency)
+            cell.temperature, engine.server, top_p), prompts, cell.concurrency)
         stats = sglang_acceptance(rows) | {"spec_metrics": [
             "spec_verify_ct"] if any(r["spec_verify_ct"] is not None for r in rows) else []}
     tokens = sum(r["completion_tokens"] for r in rows)
@@ -438,7 +448,7 @@ def run_cell(stage: Stage, engine: BenchEngineConfig, server: Server, cell: Cell
         "cell": cell.name, "engine": engine.name, "run": cell.run,
         "depth": None if cell.depth is None else vars(cell.depth),
         "concurrency": cell.concurrency, "prompt_set": cell.prompt_set,
-        "temperature": cell.temperature, "num_requests": len(rows), "output_tokens": tokens,
+        "temperature": cell.temperature, "top_p": top_p, "num_requests": len(rows), "output_tokens": tokens,
         "wall_s": round(wall, 3), "output_tok_s": tokens / wall if wall > 0 else None,
         "ttft_s": sum(r["ttft_s"] for r in rows) / len(rows),
         "tpot_s": sum(decode) / len(decode) if decode else None, **stats,

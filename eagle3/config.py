@@ -756,6 +756,10 @@ class BenchConfig:
     """Requests in flight; each value is one cell of the sweep."""
     temperature: list[float] = field(default_factory=lambda: [0.0])
     """Sampling temperatures (0 = greedy); each value is one cell of the sweep."""
+    top_p: float = 1.0
+    """Nucleus sampling of the cells at T > 0, sent to both engines as clients send it (Kimi's
+    thinking mode is served at T = 1.0, top_p 0.95); 1 = none. The reference decoder samples
+    without it."""
     expect_trained: bool = True
     """A drafter accepting nothing (mean acceptance length <= 1.05 over >= 100 drafts) fails
     its cell with the silent-failure causes to check, and a speculative cell that counts no
@@ -772,6 +776,11 @@ class BenchConfig:
                               f"depths in it); compare other settings in separate runs")
         if not self.concurrency or min(self.concurrency) < 1:
             raise ConfigError("bench.concurrency: give values >= 1, e.g. [1, 8, 32]")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"bench.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_p < 1 and "hf" in names:
+            raise ConfigError("bench.top_p: the reference decoder (bench.engines: hf) samples "
+                              "without top_p; compare it in a run with bench.top_p=1")
         if not self.temperature or min(self.temperature) < 0:
             raise ConfigError("bench.temperature: give values >= 0, e.g. [0.0]")
         if not self.prompt_sets:

@@ -121,7 +121,8 @@ def reference_bench_overrides(cfg: Config) -> list[str]:
         return []
     print(f"stage 06 uses the reference decoder, not vLLM: {problem}", flush=True)
     engines = [{"name": "hf", "depths": e.depths, "draft_sample": e.draft_sample} for e in vllm]
-    return [f"bench.engines={json.dumps(engines)}"]
+    # it samples without top_p: its T > 0 cells are then plain temperature sampling
+    return [f"bench.engines={json.dumps(engines)}", "bench.top_p=1"]
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -673,3 +673,17 @@ def test_sweep_with_the_reference_decoder_beside_an_engine(tmp_path, tiny_verifi
     md = (stage.dir / "results.md").read_text()
     assert "(reference)" in md and "(this row)" in md
     assert [s["engine"] for s in _starts(tmp_path)] == ["vllm"]  # the reference starts no server
+
+
+def test_top_p_reaches_both_engines_where_they_sample(monkeypatch):
+    """`bench.top_p` is sent as clients send it, at T > 0 only (greedy cells send 1)."""
+    from types import SimpleNamespace
+    sent = []
+    monkeypatch.setattr(bench, "_stream",
+                        lambda server, path, payload, settings: sent.append(payload) or iter(()))
+    server, msgs = SimpleNamespace(model="m"), [{"role": "user", "content": "x"}]
+    bench.vllm_request(server, msgs, 4, 1.0, None, bench.cell_top_p(0.95, 1.0))
+    bench.sglang_request(server, "x", 4, 1.0, None, bench.cell_top_p(0.95, 1.0))
+    bench.vllm_request(server, msgs, 4, 0.0, None, bench.cell_top_p(0.95, 0.0))
+    assert sent[0]["top_p"] == 0.95 and sent[1]["sampling_params"]["top_p"] == 0.95
+    assert sent[2]["top_p"] == 1.0

@@ -335,3 +335,13 @@ def test_the_verifier_keeps_an_mla_backend_beside_a_drafter_with_its_own(tmp_pat
     config_from_dict(base(tmp_path, bench=sglang_engine(
         "--attention-backend", "trtllm_mla",
         "--speculative-draft-attention-backend", "flashinfer")))
+
+
+def test_bench_top_p_is_checked_and_kept_from_the_reference_decoder(tmp_path):
+    with pytest.raises(ConfigError, match=r"bench.top_p must be in \(0, 1\]"):
+        config_from_dict(base(tmp_path, bench={"top_p": 0}))
+    with pytest.raises(ConfigError, match="the reference decoder .* samples without top_p"):
+        config_from_dict(base(tmp_path, bench={"top_p": 0.95, "engines": [{"name": "hf"}]}))
+    kimi = load_config(REPO / "configs" / "kimi-k2.5.yaml")
+    assert (kimi.generate.temperature, kimi.generate.top_p, kimi.bench.top_p) == (1.0, 0.95, 0.95)
+    assert 1.0 in kimi.bench.temperature
