@@ -66,6 +66,9 @@ def run_provenance(cfg: Any, checkpoint: Path, step: Optional[int]) -> dict[str,
         # How stage 06 has the engine draft at T > 0 (vLLM's draft_sample_method): the serve
         # command should draft the way the drafter was trained and measured.
         "draft_sample": {e.name: e.draft_sample for e in cfg.bench.engines},
+        # The verifier's tensor parallelism stage 06 serves it with: a serve command without
+        # it does not fit a 1T-parameter verifier on one GPU.
+        "tp": {e.name: e.tp for e in cfg.bench.engines if e.tp},
     }
 
 
@@ -104,7 +107,8 @@ def verifier_mla(verifier: Optional[str]) -> Optional[bool]:
 
 def serve_commands(fmt: str, export_dir: Path, siblings: dict[str, Path], verifier: str,
                    trust_remote_code: bool, draft_sample: Optional[dict[str, str]] = None,
-                   depth: int = 3, mla: Optional[bool] = None) -> dict[str, str]:
+                   depth: int = 3, mla: Optional[bool] = None,
+                   tp: Optional[dict[str, int]] = None) -> dict[str, str]:
     """Engine -> the command that serves the verifier with this drafter (or its sibling export
     for the other engine), with stage 06's own flags at a chain of `depth` and the run's way of
     drafting at T > 0 (`draft_sample`: engine -> bench.engines[].draft_sample). SGLang gets the
@@ -120,7 +124,8 @@ def serve_commands(fmt: str, export_dir: Path, siblings: dict[str, Path], verifi
     remote = ["--trust-remote-code"] if trust_remote_code else []
     for engine, d in sorted(dirs.items()):
         sample = (draft_sample or {}).get(engine, "greedy")  # the config keeps SGLang greedy
-        flags = engine_args(BenchEngineConfig(name=engine, draft_sample=sample),
+        flags = engine_args(BenchEngineConfig(name=engine, draft_sample=sample,
+                                              tp=(tp or {}).get(engine)),
                             Depth(depth, 1, depth + 1), d, 1, metrics=False)
         head = (["vllm", "serve", verifier] if engine == "vllm" else
                 ["python", "-m", "sglang.launch_server", "--model-path", verifier])
@@ -128,7 +133,10 @@ def serve_commands(fmt: str, export_dir: Path, siblings: dict[str, Path], verifi
             flags += MLA_DRAFT_BACKEND_ARGS
         out[engine] = shlex.join(head + flags + remote)
     if fmt == "speculators":  # the verifier is named in the config
-        out["vllm (this directory alone)"] = shlex.join(["vllm", "serve", str(export_dir)])
+        alone = ["vllm", "serve", str(export_dir)]
+        if (tp or {}).get("vllm"):
+            alone += ["--tensor-parallel-size", str(tp["vllm"])]
+        out["vllm (this directory alone)"] = shlex.join(alone + remote)
     return out
 
 
@@ -180,7 +188,8 @@ def model_card(fmt: str, record: dict[str, Any], provenance: dict[str, Any], exp
     mla = provenance.get("verifier_mla")
     commands = serve_commands(fmt, export_dir, siblings, verifier,
                               bool(provenance.get("trust_remote_code")),
-                              provenance.get("draft_sample"), mla=mla)
+                              provenance.get("draft_sample"), mla=mla,
+                              tp=provenance.get("tp"))
     for engine, cmd in commands.items():
         lines += [f"{engine}:", "", "```bash", cmd, "```", ""]
     if "sglang" in commands and mla is not False:

@@ -422,3 +422,15 @@ def test_run_export_card_knows_whether_the_verifier_is_mla(tmp_path, tiny_verifi
     assert report["provenance"]["verifier_mla"] is False
     card = (Stage(cfg, 5).dir / "sglang" / "README.md").read_text()
     assert "sglang.launch_server" in card and "--speculative-draft-attention-backend" not in card
+
+
+def test_the_model_card_serves_a_sharded_remote_code_verifier_as_the_run_did(tmp_path):
+    """Kimi's card: every serve command carries the run's tensor parallelism and
+    --trust-remote-code, the speculators directory served alone included."""
+    from eagle3.model_card import serve_commands
+    out = serve_commands("speculators", tmp_path / "speculators", {"vllm": tmp_path / "vllm",
+                                                                   "sglang": tmp_path / "sg"},
+                         "/models/Kimi-K2.5", True, mla=True, tp={"vllm": 8, "sglang": 8})
+    assert "--tensor-parallel-size 8" in out["vllm"] and "--tp-size 8" in out["sglang"]
+    alone = out["vllm (this directory alone)"]
+    assert "--tensor-parallel-size 8" in alone and alone.endswith("--trust-remote-code")
