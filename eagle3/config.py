@@ -644,16 +644,21 @@ def sglang_draft_backend_problem(extra_args: list[str],
     return None
 
 
+def sglang_engine_problem(cfg: Config, mla: bool) -> Optional[str]:
+    """What the config's sglang engine lacks to serve the drafter next to a verifier that is
+    (`mla`) or is not MLA, or None: one rule for stage 06 and the plan."""
+    for engine in cfg.bench.engines:
+        if engine.name == "sglang":
+            return sglang_draft_backend_problem(list(engine.server.extra_args), mla)
+    return None
+
+
 def check_sglang_engines(cfg: Config) -> None:
     """Stage 06's check of its sglang engine against the verifier (which config loading may
     not have): a ConfigError naming the missing flag when SGLang could not serve the drafter."""
-    for engine in cfg.bench.engines:
-        if engine.name != "sglang":
-            continue
-        problem = sglang_draft_backend_problem(list(engine.server.extra_args),
-                                               cfg.verifier_info.mla)
-        if problem:
-            raise ConfigError(f"bench.engines[sglang]: {problem}")
+    problem = sglang_engine_problem(cfg, cfg.verifier_info.mla)
+    if problem:
+        raise ConfigError(f"bench.engines[sglang]: {problem}")
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from eagle3.config import (Config, ConfigError, VerifierInfo, load_config, read_verifier_info,
-                           sglang_draft_backend_problem)
+                           sglang_engine_problem)
 from eagle3.cpu import cpu_verdicts, features
 from eagle3.runs import StageError
 
@@ -447,13 +447,11 @@ def render_plan(cfg: Config) -> tuple[str, list[Verdict]]:
 def _sglang_backend_verdicts(cfg: Config, info: VerifierInfo) -> list[Verdict]:
     """Stage 06's SGLang drafter-backend rule, told at planning time (the verifier's shape may
     come from plan.verifier_config here)."""
-    out = []
-    for engine in cfg.bench.engines:
-        if engine.name == "sglang":
-            problem = sglang_draft_backend_problem(list(engine.server.extra_args), info.mla)
-            out.append(Verdict("sglang drafter attention backend", problem is None,
-                               problem or "the drafter gets a backend it can run"))
-    return out
+    if not any(e.name == "sglang" for e in cfg.bench.engines):
+        return []
+    problem = sglang_engine_problem(cfg, info.mla)
+    return [Verdict("sglang drafter attention backend", problem is None,
+                    problem or "the drafter gets a backend it can run")]
 
 
 def _loads_line(cfg: Config) -> str:

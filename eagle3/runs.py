@@ -374,6 +374,11 @@ def verify_files(root: Path, records: dict[str, dict[str, Any]], mode: str) -> l
 # Stages and manifests
 
 
+def and_more(items: list[Any]) -> str:
+    """" (and N more)" after the first of `items` quoted in a one-line message."""
+    return f" (and {len(items) - 1} more)" if len(items) > 1 else ""
+
+
 def _made_with(manifest: dict[str, Any], changes: list[str]) -> str:
     """How to get back the config an output was made with: the recorded command-line
     overrides that set the changed keys, when there are such, else the config file."""
@@ -535,7 +540,7 @@ class Stage:
         fix = self.command() if self.spec.resume_on_change else self.command("--restart")
         changes = self.changes(manifest)
         if changes:
-            more = f" (and {len(changes) - 1} more)" if len(changes) > 1 else ""
+            more = and_more(changes)
             raise StageError(f"{self.name} was made with another config ({changes[0]}{more}): "
                              f"rerun `{fix}`, or {_made_with(manifest, changes)}")
         redone = self.out_of_date(manifest)
@@ -555,7 +560,7 @@ class Stage:
         if changes and self.spec.resume_on_change:
             return False
         if changes:
-            more = f" (and {len(changes) - 1} more)" if len(changes) > 1 else ""
+            more = and_more(changes)
             raise StageError(f"{self.name} already exists with another config ({changes[0]}"
                              f"{more}): add --restart to redo it (the old output is moved "
                              f"aside)")

@@ -36,7 +36,7 @@ from eagle3.config import Config, VerifierInfo
 from eagle3.formats import ExportContext, speculators_config
 from eagle3.model import DraftModelConfig, Eagle3DraftModel
 from eagle3.runs import (Stage, StageError, atomic_write_json, atomic_write_text,
-                         clean_stale_tmp, config_changes, depends_on, is_rank0)
+                         and_more, clean_stale_tmp, config_changes, depends_on, is_rank0)
 from eagle3.shards import HiddenStates, pack
 from eagle3.teacher import TeacherCache, VerifierHead
 from eagle3.ttt import StepStats, TTTObjective, TTTSpec, prepare_batch, ttt_forward
@@ -490,7 +490,7 @@ def _check_recipe(stage: Stage, saved: ckpt.Checkpoint) -> None:
         return  # a checkpoint from before recipes were recorded
     changes = config_changes(saved.recipe, depends_on(stage.cfg, 4, own_only=True))
     if changes:
-        more = f" (and {len(changes) - 1} more)" if len(changes) > 1 else ""
+        more = and_more(changes)
         raise StageError(f"{saved.path.name} was trained with other settings ({changes[0]}"
                          f"{more}): rerun `{stage.command('--restart')}` to train with the new "
                          f"ones (the old run is moved aside), or revert the setting to resume")
