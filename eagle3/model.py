@@ -69,6 +69,34 @@ class DraftModelConfig:
         return cls(**d)
 
 
+class _RMSNormFunction(torch.autograd.Function):
+    """Llama's RMSNorm, weight * (x * rsqrt(mean(x^2) + eps)) with the normalisation in float32,
+    with its backward written out so that only x and one float per row are kept (autograd
+    would also keep the normalised copy of x: one [T, H] tensor per norm and TTT step, ~7% of
+    a step's saved activations; bench/RESULTS.md "Training throughput")."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (xf * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        x, weight, rstd = ctx.saved_tensors
+        normed = x.float() * rstd
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = (grad * normed.to(x.dtype)).reshape(-1, x.shape[-1]).sum(0)
+            grad_w = grad_w.to(weight.dtype)
+        # the same roundings as autograd's: the product with weight in its promoted dtype,
+        # cast back to x's dtype, then float32 for the normalisation's backward
+        d_normed = (grad * weight).to(x.dtype).float()
+        dx = rstd * (d_normed - normed * (d_normed * normed).mean(-1, keepdim=True))
+        return dx.to(x.dtype), grad_w, None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -76,10 +104,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return _RMSNormFunction.apply(x, self.weight, self.eps)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
@@ -422,6 +447,24 @@ class Attention(nn.Module):
         return out
 
 
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate) * up, keeping only gate and up for backward (autograd also keeps silu(gate):
+    one [T, intermediate] tensor per TTT step)."""
+
+    @staticmethod
+    def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gate, up = ctx.saved_tensors
+        sig = torch.sigmoid(gate)
+        d_up = grad * (gate * sig)
+        d_gate = (grad * up) * sig * (1 + gate * (1 - sig))  # silu'(x) = s (1 + x (1 - s))
+        return d_gate, d_up
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: DraftModelConfig):
         super().__init__()
@@ -430,7 +473,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(_SwiGLU.apply(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

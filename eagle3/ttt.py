@@ -193,53 +193,143 @@ def acceptance_probability(draft_logits: torch.Tensor, teacher_logits: torch.Ten
     return torch.minimum(p, q).sum(-1)
 
 
-LOSS_CHUNK = 2048
-"""Token rows per chunk of a step's loss: the float32 [chunk, V_draft] softmaxes of one chunk
-exist at a time, and none is kept for backward (each chunk is recomputed there)."""
+LOSS_CHUNK: Optional[int] = None
+"""Token rows per chunk of a step's loss (None: `_chunk_rows` picks by device): the float32
+[chunk, V_draft] softmaxes of one chunk exist at a time, and none is kept for backward (each
+chunk is recomputed there)."""
+
+LOSS_CHUNK_BYTES = {"cpu": 8 << 20, "default": 512 << 20}
+"""One float32 [chunk, V_draft] buffer's size. On a CPU, small: glibc returns blocks over 32 MiB
+to the OS on free, and every fresh one costs page faults as long as a pass over it (256 rows
+of 8,192 were 10% faster a step than 2,048 in bench/bench_train.py); on a GPU, large, for few
+kernel launches (the caching allocator reuses blocks)."""
 
 
-def _chunk_loss(spec: TTTSpec, logits: torch.Tensor, teacher_logits: torch.Tensor,
-                src: torch.Tensor, lse: torch.Tensor, weight: torch.Tensor,
-                lam: torch.Tensor) -> torch.Tensor:
-    """Sum over one chunk of positions of weight x the per-position loss (float32)."""
-    t_logits = teacher_logits.gather(1, src[..., None].expand(-1, -1, teacher_logits.shape[-1]))
-    log_q = torch.log_softmax(logits.float(), dim=-1)
+def _chunk_rows(logits: torch.Tensor) -> int:
+    if LOSS_CHUNK:
+        return LOSS_CHUNK
+    budget = LOSS_CHUNK_BYTES.get(logits.device.type, LOSS_CHUNK_BYTES["default"])
+    return max(16, budget // (4 * logits.shape[-1]))
+
+
+def _loss_dtype(logits: torch.Tensor) -> torch.dtype:
+    """The loss math runs in float32 at least (bf16 logits are upcast; float64 tests stay)."""
+    return torch.promote_types(logits.dtype, torch.float32)
+
+
+def _teacher_probs(t_logits: torch.Tensor, t_lse: torch.Tensor, temperature: float,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """p~ = softmax(t_logits / temperature) over the draft vocabulary, from its per-row
+    log-normalizer `t_lse` (computed once per micro-batch: every TTT step reads the same rows)."""
+    t = t_logits.to(dtype)
+    t = t / temperature if temperature != 1.0 else t
+    return torch.sub(t, t_lse[..., None].to(dtype)).exp_()
+
+
+class SoftCrossEntropy(torch.autograd.Function):
+    """The `kl` loss of one TTT step, sum_t w_t * (-sum_x p~_t(x) log q_t(x)), and each row's
+    acceptance probability alpha (not differentiated), in `_chunk_rows` rows at a time.
+
+    Written out rather than left to autograd because it is most of a step's elementwise work:
+    with q = softmax(z), -sum p~ log q = logsumexp(z) - p~ . z (p~ sums to 1) and its gradient
+    is w (q - p~), which forward computes while it has q and p~ at hand (the loss is a scalar,
+    so backward only scales it). What is kept for backward is that gradient, in the logits'
+    dtype, in place of the logits themselves (autograd would keep the logits and recompute or
+    keep the softmaxes); no teacher row is gathered: a step's teacher rows are a view.
+
+    Inputs: logits [B, T, Vd] (rows n.. carry no loss: the step's source lies past the batch),
+    the teacher's draft logits, its draft log-normalizer at `temperature` and its full
+    log-normalizer for rows 0..n-1 of this step, weight [B, T]."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, t_logits: torch.Tensor, t_lse: torch.Tensor,
+                lse: torch.Tensor, weight: torch.Tensor, temperature: float
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        B, T, n = logits.shape[0], logits.shape[1], t_logits.shape[1]
+        dtype, chunk = _loss_dtype(logits), _chunk_rows(logits)
+        alpha = logits.new_zeros(B, T, dtype=dtype)
+        total = logits.new_zeros((), dtype=dtype)
+        grad = None
+        if ctx.needs_input_grad[0]:
+            grad = torch.empty_like(logits)
+            grad[:, n:] = 0
+        for s in range(0, n, chunk):
+            e = min(s + chunk, n)
+            z = logits[:, s:e].to(dtype)
+            # softmax and logsumexp from one exp pass; buffers updated in place (on a CPU a
+            # fresh [chunk, V_d] buffer costs as much as a pass: its pages fault in)
+            top = z.amax(-1, keepdim=True)
+            q = torch.sub(z, top).exp_()
+            total_q = q.sum(-1, keepdim=True)
+            lz = (top + total_q.log()).squeeze(-1)
+            q /= total_q
+            p_tilde = _teacher_probs(t_logits[:, s:e], t_lse[:, s:e], temperature, dtype)
+            w = weight[:, s:e].to(dtype)
+            total += ((lz - torch.linalg.vecdot(p_tilde, z)) * w).sum()
+            if grad is not None:
+                grad[:, s:e] = (q - p_tilde).mul_(w[..., None])
+            # alpha = sum_x min(p(x), q(x)) with p = exp(t - lse): at temperature 1 that is
+            # p~ scaled by exp(t_lse - lse) per row, one pass instead of two.
+            p = (p_tilde.mul_(torch.exp(t_lse[:, s:e] - lse[:, s:e])[..., None].to(dtype))
+                 if temperature == 1.0 else torch.exp(t_logits[:, s:e].to(dtype)
+                                                      - lse[:, s:e, None].to(dtype)))
+            alpha[:, s:e] = torch.minimum(p, q, out=q).sum(-1)
+        if grad is not None:
+            ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(alpha)
+        return total, alpha
+
+    @staticmethod
+    def backward(ctx: Any, grad_total: torch.Tensor, _grad_alpha: torch.Tensor
+                 ) -> tuple[Optional[torch.Tensor], ...]:
+        grad, = ctx.saved_tensors
+        return grad * grad_total.to(grad.dtype), None, None, None, None, None
+
+
+def _chunk_loss(spec: TTTSpec, logits: torch.Tensor, t_logits: torch.Tensor, lse: torch.Tensor,
+                weight: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
+    """Sum over one chunk of positions of weight x the per-position LK loss (float32)."""
     if spec.loss == "lk_alpha":
         # alpha = 0 (no overlap) would give an infinite loss; speculators clamps at 1e-5 too.
         per_pos = -torch.log(acceptance_probability(logits, t_logits, lse).clamp(min=1e-5))
-    else:
+    else:  # lk_lambda
+        log_q = torch.log_softmax(logits.float(), dim=-1)
         p_tilde = torch.softmax(t_logits.float() / spec.kl_temperature, dim=-1)
-        if spec.loss == "kl":
-            per_pos = -(p_tilde * log_q).sum(-1)
-        else:  # lk_lambda
-            kl = (p_tilde * (torch.log(p_tilde.clamp(min=1e-30)) - log_q)).sum(-1)
-            alpha = acceptance_probability(logits, t_logits, lse)
-            per_pos = lam * kl + (1.0 - lam) * (1.0 - alpha)
+        kl = (p_tilde * (torch.log(p_tilde.clamp(min=1e-30)) - log_q)).sum(-1)
+        alpha = acceptance_probability(logits, t_logits, lse)
+        per_pos = lam * kl + (1.0 - lam) * (1.0 - alpha)
     return (per_pos * weight).sum()
 
 
-def step_loss(spec: TTTSpec, logits: torch.Tensor, teacher_logits: torch.Tensor,
-              src: torch.Tensor, lse: torch.Tensor, weight: torch.Tensor, n: torch.Tensor,
-              chunk: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss of one TTT step, alpha per position, detached). `teacher_logits` `[B, T', V_d]`
-    are read at rows `src` `[B, T]` (the step's source positions); `lse` is the full-vocabulary
-    log-normalizer at those rows. `weight` marks the positions that count (the counted ones
-    whose teacher argmax is in the draft vocabulary), `n` the counted positions (the normaliser
-    of every loss, as for KL).
+def step_loss(spec: TTTSpec, logits: torch.Tensor, t_logits: torch.Tensor, t_lse: torch.Tensor,
+              lse: torch.Tensor, weight: torch.Tensor, n: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss of one TTT step, alpha per position, detached). `logits` [B, T, V_d]; the
+    teacher's rows for this step's positions 0..n'-1 (`t_logits` [B, n', V_d], their draft
+    log-normalizer at the KL temperature `t_lse` and full log-normalizer `lse`, [B, n']) are
+    views of the micro-batch's teacher; positions n'.. read no teacher and carry no weight.
+    `weight` [B, T] marks the positions that count (the counted ones whose teacher argmax is in
+    the draft vocabulary), `n` the counted positions (the normaliser of every loss, as for KL).
 
-    Memory: the loss runs over `chunk` token rows at a time under activation checkpointing, so
-    backward keeps only the step's logits, never a float32 [T, V_d] softmax (keeping them cost
-    ~17 bytes per draft-vocabulary row, token and TTT step: about 60 GB for a 16k-token Kimi
-    micro-batch at TTT 7; bench/RESULTS.md "Training memory")."""
+    Memory: the loss runs over `_chunk_rows` token rows at a time and backward keeps only the
+    step's logits, never a float32 [T, V_d] softmax (keeping them cost ~17 bytes per
+    draft-vocabulary row, token and TTT step: about 60 GB for a 16k-token Kimi micro-batch at
+    TTT 7; bench/RESULTS.md "Training memory"). `kl` is `SoftCrossEntropy`; the LK losses
+    recompute each chunk in backward under activation checkpointing."""
     if spec.loss not in LOSSES:
         raise ValueError(f"unknown TTT loss {spec.loss!r}: one of {', '.join(LOSSES)}")
-    T, chunk = logits.shape[1], chunk or LOSS_CHUNK
-    bounds = [(s, min(s + chunk, T)) for s in range(0, T, chunk)]
+    if spec.loss == "kl":
+        total, alpha = SoftCrossEntropy.apply(logits, t_logits, t_lse, lse, weight,
+                                              spec.kl_temperature)
+        return total.float() / n.clamp(min=1), alpha.float()
+    T, rows = logits.shape[1], t_logits.shape[1]
+    chunk = _chunk_rows(logits)
+    bounds = [(s, min(s + chunk, rows)) for s in range(0, rows, chunk)]
     with torch.no_grad():
-        V = teacher_logits.shape[-1]
-        alpha = torch.cat([acceptance_probability(
-            logits[:, s:e], teacher_logits.gather(1, src[:, s:e, None].expand(-1, -1, V)),
-            lse[:, s:e]) for s, e in bounds], dim=1)
+        alpha = logits.new_zeros(logits.shape[0], T, dtype=torch.float32)
+        for s, e in bounds:
+            alpha[:, s:e] = acceptance_probability(logits[:, s:e], t_logits[:, s:e],
+                                                   lse[:, s:e])
     lam = alpha.new_zeros((), dtype=torch.float64)
     if spec.loss == "lk_lambda":  # on the device, summed over ranks: no host sync
         sums = dist.all_reduce_tensor(torch.stack([(alpha * weight).sum().double(),
@@ -248,8 +338,7 @@ def step_loss(spec: TTTSpec, logits: torch.Tensor, teacher_logits: torch.Tensor,
     grad = torch.is_grad_enabled() and logits.requires_grad
     total = logits.new_zeros((), dtype=torch.float32)
     for s, e in bounds:
-        args = (spec, logits[:, s:e], teacher_logits, src[:, s:e], lse[:, s:e], weight[:, s:e],
-                lam)
+        args = (spec, logits[:, s:e], t_logits[:, s:e], lse[:, s:e], weight[:, s:e], lam)
         total = total + (torch.utils.checkpoint.checkpoint(_chunk_loss, *args,
                                                            use_reentrant=False)
                          if grad else _chunk_loss(*args))
@@ -282,6 +371,18 @@ def _checkpointed_step(model: Eagle3DraftModel, h: torch.Tensor, input_ids: torc
     return h, logits
 
 
+def _draft_log_normalizer(draft_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logsumexp over the draft vocabulary of the teacher's logits / temperature, per row [B, T]:
+    once per micro-batch (`_chunk_rows` rows at a time), for every TTT step's p~."""
+    dtype, chunk = _loss_dtype(draft_logits), _chunk_rows(draft_logits)
+    out = draft_logits.new_empty(draft_logits.shape[:-1], dtype=dtype)
+    for s in range(0, draft_logits.shape[1], chunk):
+        t = draft_logits[:, s:s + chunk].to(dtype)
+        out[:, s:s + chunk] = torch.logsumexp(t / temperature if temperature != 1.0 else t,
+                                              dim=-1)
+    return out
+
+
 def ttt_forward(model: Eagle3DraftModel, batch: Batch, teacher: Teacher, spec: TTTSpec,
                 estimate_temperature: Optional[float] = None) -> tuple[torch.Tensor, StepStats]:
     """Unroll `spec.ttt_steps` draft steps on a packed batch; return (weighted loss, counts).
@@ -298,6 +399,8 @@ def ttt_forward(model: Eagle3DraftModel, batch: Batch, teacher: Teacher, spec: T
     alive = chain_p = chain_g = reached = None
     total = h.new_zeros(())
     stats = StepStats.zeros(spec.ttt_steps, estimate_temperature)
+    t_lse = _draft_log_normalizer(teacher.draft_logits, spec.kl_temperature) \
+        if spec.loss == "kl" else teacher.lse
     per_step: list[list[torch.Tensor]] = []  # per step: loss, counted, correct, full, alpha,
     for k in range(spec.ttt_steps):           # expected, expected_greedy (device scalars)
         src = idx + 1 + k                      # position of the input token (and its teacher)
@@ -315,8 +418,9 @@ def ttt_forward(model: Eagle3DraftModel, batch: Batch, teacher: Teacher, spec: T
         if reached is not None:
             weight = weight * reached
         n = counted.sum()
-        loss_k, alpha = step_loss(spec, logits, teacher.draft_logits, src_c,
-                                  teacher.lse.gather(1, src_c), weight, n)
+        rows = slice(1 + k, None)  # teacher rows src = t + 1 + k of positions t < T - 1 - k
+        loss_k, alpha = step_loss(spec, logits, teacher.draft_logits[:, rows], t_lse[:, rows],
+                                  teacher.lse[:, rows], weight, n)
         total = total + (spec.step_decay ** k) * loss_k
         if spec.reach != "off":
             here = (alpha if spec.reach == "sampled" else
@@ -334,13 +438,16 @@ def ttt_forward(model: Eagle3DraftModel, batch: Batch, teacher: Teacher, spec: T
                              (alive & chains).sum().double(), (alpha * counted).sum().double(),
                              zero, zero])
             if estimate_temperature:
-                lse_t = teacher.lse_t.gather(1, src_c)
-                t_logits = teacher.draft_logits.gather(
-                    1, src_c[..., None].expand(-1, -1, teacher.draft_logits.shape[-1]))
-                a_t = acceptance_probability(logits, t_logits, lse_t,
-                                             estimate_temperature) * counted
-                g_t = torch.exp(t_logits.float().gather(-1, logits.argmax(-1, keepdim=True))
-                                .squeeze(-1) / estimate_temperature - lse_t) * counted
+                lse_t, t_logits = teacher.lse_t[:, rows], teacher.draft_logits[:, rows]
+                m = t_logits.shape[1]
+                a_t = torch.zeros_like(alpha)
+                a_t[:, :m] = acceptance_probability(logits[:, :m], t_logits, lse_t,
+                                                    estimate_temperature)
+                g_t = torch.zeros_like(alpha)
+                g_t[:, :m] = torch.exp(t_logits.float().gather(
+                    -1, logits[:, :m].argmax(-1, keepdim=True)).squeeze(-1)
+                    / estimate_temperature - lse_t)
+                a_t, g_t = a_t * counted, g_t * counted
                 chain_p = a_t if chain_p is None else chain_p * a_t
                 chain_g = g_t if chain_g is None else chain_g * g_t
                 per_step[-1][5:] = [(chain_p * chains).sum().double(),

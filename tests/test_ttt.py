@@ -522,3 +522,81 @@ def test_the_fused_kernel_is_used_where_it_agrees():
     from eagle3.model import fused_kernel
     for dtype in (torch.float32, torch.bfloat16):
         assert fused_kernel(torch.zeros(1, 2, 4, 64, dtype=dtype)) is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_rms_norm_backward_equals_autograd(dtype):
+    """The RMSNorm with its backward written out (it keeps x and one float per row) against
+    autograd through the same formula: the output bit for bit, the gradients to rounding."""
+    from eagle3.model import RMSNorm
+
+    torch.manual_seed(0)
+    norm = RMSNorm(16, 1e-6)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = (torch.randn(2, 7, 16) * 3).to(dtype).requires_grad_()
+    grad = torch.randn(2, 7, 16, dtype=torch.float64)
+
+    def reference(x, w):
+        xf = x.float()
+        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+    ours, ref = norm(x), reference(x, norm.weight)
+    assert torch.equal(ours, ref)
+    got = torch.autograd.grad(ours, (x, norm.weight), grad.to(ours.dtype))
+    want = torch.autograd.grad(ref, (x, norm.weight), grad.to(ref.dtype))
+    # the normalisation runs in float32 whatever x's dtype: float32 rounding either way
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float64 else dict(rtol=2e-2, atol=1e-2)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, **tol)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_soft_cross_entropy_equals_autograd(temperature, monkeypatch):
+    """`SoftCrossEntropy` (the `kl` step loss, its gradient made in forward, chunks of 3 rows)
+    against autograd through -sum p~ log softmax(z): the weighted sum, alpha against
+    `acceptance_probability`, the logits' gradient; rows past the teacher's carry nothing."""
+    import eagle3.ttt as ttt
+
+    monkeypatch.setattr(ttt, "LOSS_CHUNK", 3)
+    torch.manual_seed(0)
+    T, n = 11, 8
+    logits = (torch.randn(1, T, VD, dtype=torch.float64) * 2).requires_grad_()
+    full = torch.randn(1, n, V, dtype=torch.float64) * 2
+    t_logits, lse = full[..., :VD], full.logsumexp(-1)
+    t_lse = (t_logits / temperature).logsumexp(-1)
+    weight = (torch.rand(1, T) > 0.3).double()
+    weight[:, n:] = 0
+    total, alpha = ttt.SoftCrossEntropy.apply(logits, t_logits, t_lse, lse, weight, temperature)
+    (total * 0.37).backward()
+
+    z = logits.detach()[:, :n].clone().requires_grad_()
+    p_tilde = torch.softmax(t_logits / temperature, dim=-1)
+    want = (-(p_tilde * torch.log_softmax(z, -1)).sum(-1) * weight[:, :n]).sum()
+    (want * 0.37).backward()
+    torch.testing.assert_close(total, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(logits.grad[:, :n], z.grad, rtol=1e-12, atol=1e-12)
+    assert torch.equal(logits.grad[:, n:], torch.zeros_like(logits.grad[:, n:]))
+    torch.testing.assert_close(alpha[:, :n], ttt.acceptance_probability(z, t_logits, lse)
+                               .double(), rtol=1e-6, atol=1e-6)
+    assert torch.equal(alpha[:, n:], torch.zeros_like(alpha[:, n:]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_swiglu_backward_equals_autograd(dtype):
+    """The MLP's silu(gate) * up with its backward written out (gate and up kept, not
+    silu(gate)) against autograd: the output bit for bit, the gradients to rounding."""
+    from eagle3.model import _SwiGLU
+
+    torch.manual_seed(0)
+    gate, up = (torch.randn(2, 5, 12) * 3).to(dtype), torch.randn(2, 5, 12).to(dtype)
+    grad = torch.randn(2, 5, 12).to(dtype)
+    ins = [gate.clone().requires_grad_(), up.clone().requires_grad_()]
+    ref_ins = [gate.clone().requires_grad_(), up.clone().requires_grad_()]
+    ours = _SwiGLU.apply(*ins)
+    ref = torch.nn.functional.silu(ref_ins[0]) * ref_ins[1]
+    assert torch.equal(ours, ref)
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-2, atol=2e-2)
+    for a, b in zip(torch.autograd.grad(ours, ins, grad), torch.autograd.grad(ref, ref_ins, grad)):
+        torch.testing.assert_close(a, b, **tol)
