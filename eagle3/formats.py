@@ -20,6 +20,7 @@ format converts them. Used by stage 05, by the checkpoint writer (the speculator
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -608,6 +609,53 @@ def _read_config(path: Path, problems: list[str]) -> dict[str, Any]:
     return cfg if isinstance(cfg, dict) else {}
 
 
+def parsed_config_problems(directory: Path, cfg: dict[str, Any], fmt: str,
+                           draft: DraftModelConfig) -> list[str]:
+    """The draft layer's config as the engines parse it: through transformers' `AutoConfig`
+    (vLLM's and SGLang's config loaders; for the speculators format, its
+    `transformer_layer_config` through `LlamaConfig`, as speculators builds it). A field the
+    JSON holds but transformers drops or renames (transformers 5 folds `rope_theta` into
+    `rope_parameters`) would be served at the engine's default without a word; here it is a
+    problem. The rope base is read the way SGLang's and vLLM's Llama code read it:
+    `rope_parameters["rope_theta"]` when the parsed config has `rope_parameters`, else
+    `rope_theta` (docs/engines.md, "Config fields as transformers parses them")."""
+    import transformers
+
+    try:
+        if fmt == "speculators":
+            parsed = transformers.LlamaConfig(**cfg.get("transformer_layer_config", {}))
+        else:
+            parsed = transformers.AutoConfig.from_pretrained(str(directory))
+    except Exception as e:  # noqa: BLE001 - any refusal is the finding
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return [f"config: transformers {transformers.__version__} cannot parse it "
+                f"({type(e).__name__}: {first[:200]})"]
+    rope = getattr(parsed, "rope_parameters", None)
+    rope_theta = rope.get("rope_theta") if isinstance(rope, dict) else \
+        getattr(parsed, "rope_theta", None)
+    want = {"hidden_size": draft.hidden_size, "intermediate_size": draft.intermediate_size,
+            "num_hidden_layers": draft.num_layers,
+            "num_attention_heads": draft.num_attention_heads,
+            "num_key_value_heads": draft.num_key_value_heads, "head_dim": draft.head_dim,
+            "rms_norm_eps": draft.rms_norm_eps, "vocab_size": draft.vocab_size,
+            "max_position_embeddings": draft.max_position_embeddings}
+    got = {k: getattr(parsed, k, None) for k in want}
+    if fmt != "speculators":  # speculators keeps it beside the layer config, not in it
+        want["draft_vocab_size"] = draft.draft_vocab_size
+        got["draft_vocab_size"] = getattr(parsed, "draft_vocab_size", None)
+    want["rope theta"], got["rope theta"] = float(draft.rope_theta), rope_theta
+    # our draft layer has plain RoPE: any scaling type would be applied by the engine alone
+    want["rope type"] = "default"
+    got["rope type"] = (rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else
+                        (getattr(parsed, "rope_scaling", None) or {}).get("rope_type",
+                                                                          "default"))
+    def same(a: Any, b: Any) -> bool:  # floats are written cleaned of float32 noise
+        return a == b or (isinstance(a, float) and isinstance(b, float)
+                          and math.isclose(a, b, rel_tol=1e-6))
+    return [f"config: transformers {transformers.__version__} parses `{k}` as {got[k]!r}, "
+            f"the drafter has {v!r}" for k, v in want.items() if not same(got[k], v)]
+
+
 def validate_export(directory: Path, fmt: str, draft: DraftModelConfig,
                     aux_layer_ids: list[int], ctx: ExportContext) -> dict[str, Any]:
     """Check an exported directory as its engine will read it; return a summary for reports.
@@ -629,6 +677,7 @@ def validate_export(directory: Path, fmt: str, draft: DraftModelConfig,
     keys = set(tensors)
     if cfg:
         problems += spec.config_problems(cfg, draft, aux_layer_ids, ctx)
+        problems += parsed_config_problems(directory, cfg, fmt, draft)
     problems += _key_problems(fmt, keys)
     try:
         layout = detect_layout(k.removeprefix("model.").removeprefix(COMPILE_PREFIX)

@@ -434,3 +434,27 @@ def test_the_model_card_serves_a_sharded_remote_code_verifier_as_the_run_did(tmp
     assert "--tensor-parallel-size 8" in out["vllm"] and "--tp-size 8" in out["sglang"]
     alone = out["vllm (this directory alone)"]
     assert "--tensor-parallel-size 8" in alone and alone.endswith("--trust-remote-code")
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "sglang", "speculators"])
+def test_config_is_judged_as_transformers_parses_it(tmp_path, fmt):
+    """A config whose JSON holds the right rope base where this transformers does not read it
+    (transformers 5 reads `rope_parameters` and the engines follow it) is refused with the
+    value the engine would serve; a field transformers cannot parse at all is refused too."""
+    out = export(tmp_path, fmt)
+    assert validate_export(out, fmt, DRAFT, _AUX, CTX)
+
+    def stale_rope(cfg):
+        layer = cfg["transformer_layer_config"] if fmt == "speculators" else cfg
+        layer["rope_parameters"] = {"rope_type": "default", "rope_theta": 500000.0}
+    rewrite(out, edit_config=stale_rope)
+    assert "parses `rope theta` as 500000.0, the drafter has 10000.0" in problems_of(out, fmt)
+
+    def scaled_rope(cfg):
+        layer = cfg["transformer_layer_config"] if fmt == "speculators" else cfg
+        layer["rope_parameters"] = {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}
+    rewrite(out, edit_config=scaled_rope)
+    assert "parses `rope type` as 'linear', the drafter has 'default'" in problems_of(out, fmt)
+    if fmt != "speculators":
+        rewrite(out, edit_config=lambda cfg: cfg.update(model_type="no-such-model"))
+        assert "cannot parse it (ValueError" in problems_of(out, fmt)
