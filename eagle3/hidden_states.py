@@ -311,11 +311,15 @@ def run_extract(stage: Stage) -> None:
         clean_stale_tmp(stage.dir)
     dist.barrier()
     plan = _plan(stage, ctx, ds)
+    # The measure set first: it is small, and a base drafter whose aux ids name layers the
+    # verifier cannot capture (or a capture server that will not start with them) then fails
+    # in minutes, not after the full extraction.
+    if ctx.is_main and cfg.measures_base:
+        _extract_measure_set(stage, ctx, ds, plan)
+    dist.barrier()
     written = _extract_shards(stage, ctx, ds, plan) if plan.todo else 0
     written = dist.all_sum(written)
     dist.barrier()
-    if ctx.is_main and cfg.measures_base:
-        _extract_measure_set(stage, ctx, ds, plan)
     if ctx.is_main:
         _finish(stage, plan, written, ctx.world_size, started)
 
