@@ -300,6 +300,8 @@ def preflight(cfg: Config, needed_bytes: float) -> list[Verdict]:
     except ConfigError as e:
         verdicts.append(Verdict("verifier config", False, str(e)))
     verdicts.append(_tokenizer_verdict(cfg))
+    if cfg.hidden_states.backend == "vllm":
+        verdicts.append(_final_norm_verdict(cfg))
     verdicts.append(_base_verdict(cfg))
     verdicts.append(_init_verdict(cfg))
     probe = cfg.run_dir
@@ -354,6 +356,28 @@ def _tokenizer_verdict(cfg: Config) -> Verdict:
     return Verdict("tokenizer + chat template", False,
                    f"{kind}, thinking conversation: reasoning NOT rendered; set "
                    f"verifier.chat_template to a template that renders reasoning_content")
+
+
+def _final_norm_verdict(cfg: Config) -> Verdict:
+    """Stage 02's vllm backend post-norms the last captured state with the verifier's own norm
+    class (`verifier.load_final_norm`): the decoder built on the meta device through the
+    verifier's (remote) code, one small tensor read. Checked here so that a remote-code import
+    this transformers lacks fails now, not when stage 02 starts after stage 01's hours."""
+    from eagle3.verifier import load_final_norm
+    if not cfg.verifier_path.is_dir():
+        return Verdict("verifier final norm (stage 02, vllm)", False,
+                       f"verifier.path {cfg.verifier_path} is not a directory")
+    try:
+        norm = load_final_norm(cfg.verifier_path, cfg.verifier.dtype,
+                               cfg.verifier.trust_remote_code)
+    except StageError as e:
+        return Verdict("verifier final norm (stage 02, vllm)", False, str(e)[:200])
+    except Exception as e:  # noqa: BLE001 - remote code can raise anything; name it
+        first = (str(e).strip().splitlines() or [""])[0]
+        return Verdict("verifier final norm (stage 02, vllm)", False,
+                       f"building the verifier's decoder failed: {type(e).__name__}: "
+                       f"{first[:160]}")
+    return Verdict("verifier final norm (stage 02, vllm)", True, type(norm).__name__)
 
 
 def _base_verdict(cfg: Config) -> Verdict:

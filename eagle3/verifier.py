@@ -55,8 +55,12 @@ def load_tokenizer(cfg: Config, padding_side: str = "right") -> Any:
         tok = AutoTokenizer.from_pretrained(path, padding_side=padding_side,
                                             trust_remote_code=cfg.verifier.trust_remote_code)
     except Exception as e:  # missing files, remote code refused, a corrupt file: many types
+        import transformers
         hint = ("; the tokenizer is custom code: set verifier.trust_remote_code=true"
-                if "trust_remote_code" in str(e) else "")
+                if "trust_remote_code" in str(e) else
+                f"; its code imports what transformers {transformers.__version__} lacks: take "
+                f"the model repository's newer code files (docs/errors.md)"
+                if isinstance(e, ImportError) else "")
         raise StageError(f"verifier tokenizer in {path} cannot be loaded ({_first_line(e)})"
                          f"{hint}; check verifier.path") from None
     if cfg.verifier.chat_template:

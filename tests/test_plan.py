@@ -4,6 +4,7 @@ one that renders it passes, and a template with no notion of reasoning is not a 
     .venv/bin/pytest tests/test_plan.py -q
 """
 
+import json
 from pathlib import Path
 
 import pytest
@@ -107,3 +108,32 @@ def test_the_plan_counts_verifier_loads_and_names_untrained_draft_positions():
     external = load_config(Path(__file__).resolve().parents[1] / "configs" / "kimi-k2.5.yaml",
                            ["generate.server_urls=[http://n1:8000]", "train.ttt_steps=16"])
     assert verifier_loads(external)["01"] == 0 and served_beyond_trained(external) is None
+
+
+def test_remote_code_this_transformers_lacks_fails_the_preflight(tmp_path, kimi_verifier):
+    """Older Kimi tokenizer snapshots import `bytes_to_unicode` from gpt2's tokenizer module,
+    which transformers 5 no longer has: the plan's tokenizer check fails and names the import.
+    The vllm backend's final-norm check builds the verifier's decoder through its code too."""
+    import shutil
+
+    from eagle3.plan import _final_norm_verdict
+
+    verifier = tmp_path / "kimi"
+    shutil.copytree(kimi_verifier, verifier)
+    cfg = make_config(tmp_path, verifier, verifier={"trust_remote_code": True},
+                      hidden_states={"backend": "vllm"})
+    assert _tokenizer_verdict(cfg).ok, _tokenizer_verdict(cfg).detail
+    good = _final_norm_verdict(cfg)
+    assert good.ok, good.detail
+    code = verifier / "tokenization_kimi.py"
+    older = code.read_text().replace("from transformers.convert_slow_tokenizer import",
+                                     "from transformers.models.gpt2.tokenization_gpt2 import")
+    assert older != code.read_text()
+    code.write_text(older)
+    verdict = _tokenizer_verdict(cfg)
+    assert verdict.ok is False and "bytes_to_unicode" in verdict.detail, verdict.detail
+    config = json.loads((verifier / "config.json").read_text())
+    config["text_config"]["num_hidden_layers"] = "many"
+    (verifier / "config.json").write_text(json.dumps(config))
+    broken = _final_norm_verdict(cfg)
+    assert broken.ok is False, broken.detail
