@@ -195,8 +195,8 @@ def acceptance_probability(draft_logits: torch.Tensor, teacher_logits: torch.Ten
 
 LOSS_CHUNK: Optional[int] = None
 """Token rows per chunk of a step's loss (None: `_chunk_rows` picks by device): the float32
-[chunk, V_draft] softmaxes of one chunk exist at a time, and none is kept for backward (each
-chunk is recomputed there)."""
+[chunk, V_draft] softmaxes of one chunk exist at a time, and none is kept for backward (the
+`kl` loss keeps the logits' gradient instead, the LK losses recompute each chunk)."""
 
 LOSS_CHUNK_BYTES = {"cpu": 8 << 20, "default": 512 << 20}
 """One float32 [chunk, V_draft] buffer's size. On a CPU, small: glibc returns blocks over 32 MiB
@@ -253,27 +253,29 @@ class SoftCrossEntropy(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad = torch.empty_like(logits)
             grad[:, n:] = 0
-        for s in range(0, n, chunk):
-            e = min(s + chunk, n)
-            z = logits[:, s:e].to(dtype)
-            # softmax and logsumexp from one exp pass; buffers updated in place (on a CPU a
-            # fresh [chunk, V_d] buffer costs as much as a pass: its pages fault in)
-            top = z.amax(-1, keepdim=True)
-            q = torch.sub(z, top).exp_()
-            total_q = q.sum(-1, keepdim=True)
-            lz = (top + total_q.log()).squeeze(-1)
-            q /= total_q
-            p_tilde = _teacher_probs(t_logits[:, s:e], t_lse[:, s:e], temperature, dtype)
-            w = weight[:, s:e].to(dtype)
-            total += ((lz - torch.linalg.vecdot(p_tilde, z)) * w).sum()
-            if grad is not None:
-                grad[:, s:e] = (q - p_tilde).mul_(w[..., None])
-            # alpha = sum_x min(p(x), q(x)) with p = exp(t - lse): at temperature 1 that is
-            # p~ scaled by exp(t_lse - lse) per row, one pass instead of two.
-            p = (p_tilde.mul_(torch.exp(t_lse[:, s:e] - lse[:, s:e])[..., None].to(dtype))
-                 if temperature == 1.0 else torch.exp(t_logits[:, s:e].to(dtype)
-                                                      - lse[:, s:e, None].to(dtype)))
-            alpha[:, s:e] = torch.minimum(p, q, out=q).sum(-1)
+        # float32 throughout, whatever autocast would make of the dot products below
+        with torch.autocast(logits.device.type, enabled=False):
+            for s in range(0, n, chunk):
+                e = min(s + chunk, n)
+                z = logits[:, s:e].to(dtype)
+                # softmax and logsumexp from one exp pass; buffers updated in place (on a CPU a
+                # fresh [chunk, V_d] buffer costs as much as a pass: its pages fault in)
+                top = z.amax(-1, keepdim=True)
+                q = torch.sub(z, top).exp_()
+                total_q = q.sum(-1, keepdim=True)
+                lz = (top + total_q.log()).squeeze(-1)
+                q /= total_q
+                p_tilde = _teacher_probs(t_logits[:, s:e], t_lse[:, s:e], temperature, dtype)
+                w = weight[:, s:e].to(dtype)
+                total += ((lz - torch.linalg.vecdot(p_tilde, z)) * w).sum()
+                if grad is not None:
+                    grad[:, s:e] = (q - p_tilde).mul_(w[..., None])
+                # alpha = sum_x min(p(x), q(x)) with p = exp(t - lse): at temperature 1 that is
+                # p~ scaled by exp(t_lse - lse) per row, one pass instead of two.
+                p = (p_tilde.mul_(torch.exp(t_lse[:, s:e] - lse[:, s:e])[..., None].to(dtype))
+                     if temperature == 1.0 else torch.exp(t_logits[:, s:e].to(dtype)
+                                                          - lse[:, s:e, None].to(dtype)))
+                alpha[:, s:e] = torch.minimum(p, q, out=q).sum(-1)
         if grad is not None:
             ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(alpha)
