@@ -131,11 +131,22 @@ def _rope_theta(layer: dict[str, Any]) -> Optional[float]:
     return None if theta is None else float(theta)
 
 
+LEGACY_FC_NORM = {"aux_norm_low": "fc_norm.0", "aux_norm_mid": "fc_norm.1",
+                  "aux_norm_high": "fc_norm.2"}
+"""Older SGLang-trained EAGLE-3.1 drafters name the per-aux norms so (SGLang 0.5.23
+`llama_eagle3.py` `legacy_name_map`, with the `use_aux_norm` flag)."""
+
+
+def _fc_norm_name(key: str) -> str:
+    head, _, rest = key.partition(".")
+    return f"{LEGACY_FC_NORM[head]}.{rest}" if head in LEGACY_FC_NORM else key
+
+
 def _unsupported(cfg: dict[str, Any], layer: dict[str, Any]) -> list[str]:
     """Options of the base our model does not implement (its weights would compute otherwise)."""
-    out = [f"`{flag}` is true (EAGLE-3.1/speculators option our drafter does not have; a "
-           f"speculators base must be trained with {flag}=false)"
-           for flag in ("norm_before_fc", "fc_norm", "norm_output") if cfg.get(flag)]
+    out = [f"`{flag}` is true (a single norm over the concatenated aux states, which our "
+           f"drafter does not have; EAGLE-3.1's per-aux `fc_norm` it has)"
+           for flag in ("norm_before_fc",) if cfg.get(flag)]
     act = layer.get("hidden_act", "silu")
     if act != "silu":
         out.append(f"`hidden_act` is {act!r}; our drafter's MLP is SiLU-gated")
@@ -176,7 +187,7 @@ def load(path: str | Path) -> BaseDrafter:
         key_layout = detect_layout(k for k in tensors if k not in ("d2t", "t2d"))
     except FormatError as e:
         raise BaseDrafterError(path, [str(e)]) from None
-    weights = to_layout(tensors, "speculators")
+    weights = {_fc_norm_name(k): t for k, t in to_layout(tensors, "speculators").items()}
     d2t, t2d = (None if weights.get(k) is None else load_tensor(weights.pop(k))
                 for k in ("d2t", "t2d"))
     embed = weights.pop("embed_tokens.weight", None)
@@ -256,7 +267,11 @@ def _shape(cfg: dict[str, Any], layer: dict[str, Any], weights: dict[str, Tensor
         vocab_size=int(vocab), draft_vocab_size=int(draft_vocab or 0),
         # speculators (and vLLM reading a speculators config) default to true when absent;
         # SGLang/EAGLE have only the false variant.
-        norm_before_residual=bool(cfg.get("norm_before_residual", nested)))
+        norm_before_residual=bool(cfg.get("norm_before_residual", nested)),
+        # EAGLE-3.1: top-level flags in every engine's reader (SGLang also takes its older
+        # `use_aux_norm`); an engine builds the norms from the flag, not from the weights
+        fc_norm=bool(cfg.get("fc_norm") or cfg.get("use_aux_norm")),
+        norm_output=bool(cfg.get("norm_output")))
 
 
 CONVENTIONS = {"minus_one": -1, "as_is": 0, "plus_one": 1}
@@ -342,6 +357,11 @@ def _config_problems(base: BaseDrafter, draft_cfg: DraftModelConfig,
                         f"{base.shape.norm_before_residual}, our drafter has "
                         f"{draft_cfg.norm_before_residual}: set draft.norm_before_residual="
                         f"{str(base.shape.norm_before_residual).lower()}")
+    for name in ("fc_norm", "norm_output"):  # EAGLE-3.1: the base's weights need its norms
+        if getattr(base.shape, name) != getattr(draft_cfg, name):
+            problems.append(f"config: base has {name}={getattr(base.shape, name)}, our drafter "
+                            f"{getattr(draft_cfg, name)}: set draft.{name}="
+                            f"{str(getattr(base.shape, name)).lower()}")
     for name in ("rms_norm_eps", "rope_theta"):
         if float(getattr(base.shape, name)) != float(getattr(draft_cfg, name)):
             problems.append(f"config: base has {name}={getattr(base.shape, name)}, our drafter "

@@ -248,14 +248,15 @@ def _llama_fields(draft: DraftModelConfig) -> dict[str, Any]:
 
 def _eagle_fields(draft: DraftModelConfig) -> dict[str, Any]:
     # Written explicitly: vLLM's speculators path defaults norm_before_residual to True, the
-    # Llama path to False; the EAGLE-3.1 flags are off in our model and must not be guessed.
+    # Llama path to False. The EAGLE-3.1 flags are top-level fields in all three engines'
+    # readers (docs/engines.md "EAGLE-3.1 norms"); norm_before_fc is not in our model.
     return {
         "draft_vocab_size": draft.draft_vocab_size,
         "target_hidden_size": draft.target_hidden_size,
         "norm_before_residual": bool(draft.norm_before_residual),
         "norm_before_fc": False,
-        "fc_norm": False,
-        "norm_output": False,
+        "fc_norm": bool(draft.fc_norm),
+        "norm_output": bool(draft.norm_output),
     }
 
 
@@ -298,8 +299,12 @@ def _shape_problems(cfg: dict[str, Any], layer: dict[str, Any],
     elif cfg["norm_before_residual"] is not bool(draft.norm_before_residual):
         problems.append(f"config: norm_before_residual={cfg['norm_before_residual']} but the "
                         f"drafter was trained with {draft.norm_before_residual}")
-    problems += [f"config: `{flag}` is true; this drafter has no such norm"
-                 for flag in ("norm_before_fc", "fc_norm", "norm_output") if cfg.get(flag)]
+    if cfg.get("norm_before_fc"):
+        problems.append("config: `norm_before_fc` is true; this drafter has no such norm")
+    for flag in ("fc_norm", "norm_output"):  # an engine reading false skips a trained norm
+        if bool(cfg.get(flag)) is not bool(getattr(draft, flag)):
+            problems.append(f"config: `{flag}` is {cfg.get(flag)}, the drafter was trained "
+                            f"with {getattr(draft, flag)}")
     return problems
 
 
@@ -718,6 +723,8 @@ def _summary(fmt: str, layout: str, tensors: dict[str, TensorLike], draft: Draft
         "aux_layer_ids_written": spec.written_aux_ids(list(aux_layer_ids), ctx),
         "aux_ids_valid_for": spec.valid_for(list(aux_layer_ids), ctx),
         "norm_before_residual": bool(draft.norm_before_residual),
+        "fc_norm": bool(draft.fc_norm),
+        "norm_output": bool(draft.norm_output),
         "embedding_shipped": spec.ships_embedding,
         "checks_passed": ["config fields", "key names (no model./_orig_mod./layers.N in sglang)",
                           "exact key set", "shapes", "dtypes (d2t int64, t2d bool)",

@@ -27,6 +27,10 @@ import torch.nn.functional as F
 from torch import nn
 
 
+ADDED_LATER = ("fc_norm", "norm_output")
+"""DraftModelConfig fields a checkpoint written before them lacks (and so was trained without)."""
+
+
 @dataclass(frozen=True)
 class DraftModelConfig:
     hidden_size: int
@@ -48,6 +52,10 @@ class DraftModelConfig:
     draft_vocab_size: int
     """Rows of `lm_head`."""
     norm_before_residual: bool = False
+    fc_norm: bool = False
+    """EAGLE-3.1: an RMSNorm of its own on each aux state before `fc` (`fc_norm.<i>.weight`)."""
+    norm_output: bool = False
+    """EAGLE-3.1: the next step reads the post-norm hidden state (the one `lm_head` reads)."""
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -62,6 +70,8 @@ class DraftModelConfig:
         """Exactly the fields of this class: an unknown or missing one is an error (a silent
         default of e.g. norm_before_residual would build another model)."""
         names = {f.name for f in dataclasses.fields(cls)}
+        # fields added after checkpoints were written: absent means the drafter lacked them
+        d = {**{k: False for k in ADDED_LATER}, **d}
         unknown, missing = set(d) - names, names - set(d)
         if unknown or missing:
             raise ValueError(f"draft config: unknown fields {sorted(unknown)}, missing "
@@ -512,6 +522,10 @@ class Eagle3DraftModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)  # the verifier's, frozen
         self.fc = nn.Linear(cfg.num_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        # EAGLE-3.1 (docs/engines.md "EAGLE-3.1 norms"): vLLM, SGLang and speculators name
+        # these `fc_norm.<i>` and apply them to the aux chunks in layer order
+        self.fc_norm = nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps)
+                                     for _ in range(cfg.num_aux)) if cfg.fc_norm else None
         self.layers = nn.ModuleList(DecoderLayer(cfg, first=(i == 0))
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -525,12 +539,17 @@ class Eagle3DraftModel(nn.Module):
 
     def project(self, aux: torch.Tensor) -> torch.Tensor:
         """Verifier aux states `[B, T, n_aux*Ht]` -> initial draft hidden state `[B, T, H]`."""
+        if self.fc_norm is not None:
+            aux = torch.cat([norm(chunk) for norm, chunk in
+                             zip(self.fc_norm, aux.chunk(len(self.fc_norm), dim=-1))], dim=-1)
         return self.fc(aux)
 
     def step(self, h: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
              mask: DocMask | torch.Tensor, cache: list[list[tuple[torch.Tensor, torch.Tensor]]]
              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft step: returns (pre-norm hidden for the next step, draft-vocab logits).
+        """One draft step: returns (the hidden state the next step reads, draft-vocab logits).
+        That state is the layer's pre-norm output, or with `norm_output` (EAGLE-3.1) the
+        post-norm one that `lm_head` reads.
 
         h `[B, T, H]`, input_ids `[B, T]` (the token after each aux position, shifted by the
         step), positions `[B, T]` (RoPE positions, + step), mask over step-0 keys: a `DocMask`
@@ -543,6 +562,9 @@ class Eagle3DraftModel(nn.Module):
         for layer, layer_cache in zip(self.layers, cache):
             h = layer(h, embeds, cos, sin, mask, layer_cache)
             embeds = None
+        if self.cfg.norm_output:
+            h = self.norm(h)
+            return h, self.lm_head(h)
         return h, self.lm_head(self.norm(h))
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:

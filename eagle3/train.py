@@ -107,7 +107,8 @@ def draft_model_config(cfg: Config, vocab_size: int, draft_vocab_size: int,
         num_layers=d.num_layers, rms_norm_eps=info.rms_norm_eps,
         rope_theta=info.rope_theta, max_position_embeddings=info.max_position_embeddings,
         vocab_size=vocab_size, draft_vocab_size=draft_vocab_size,
-        norm_before_residual=d.norm_before_residual)
+        norm_before_residual=d.norm_before_residual, fc_norm=d.fc_norm,
+        norm_output=d.norm_output)
 
 
 def build_model(cfg: Config, d2t: torch.Tensor, t2d: torch.Tensor,

@@ -88,7 +88,8 @@ def speculators_dir(out: Path, model: Eagle3DraftModel) -> Path:
                         rope_theta=d.rope_theta)
     spec = SpecEagle3(Eagle3SpeculatorConfig(
         transformer_layer_config=layer, draft_vocab_size=d.draft_vocab_size,
-        norm_before_residual=False, norm_before_fc=False, fc_norm=False, norm_output=False,
+        norm_before_residual=False, norm_before_fc=False, fc_norm=d.fc_norm,
+        norm_output=d.norm_output,
         embed_requires_grad=False, eagle_aux_hidden_state_layer_ids=_AUX,
         speculators_config=SpeculatorsConfig(
             algorithm="eagle3", default_proposal_method="greedy",
@@ -130,6 +131,35 @@ def test_speculators_save_pretrained_to_every_layout(tmp_path, tiny_verifier):
     mtimes = {p: p.stat().st_mtime_ns for p in (tmp_path / "out").rglob("*.safetensors")}
     convert_dir(src, tmp_path / "out", "--verifier", str(tiny_verifier))
     assert all(p.stat().st_mtime_ns == t for p, t in mtimes.items())
+
+
+def test_speculators_eagle31_drafter_through_from(tmp_path, tiny_verifier):
+    """A speculators-saved EAGLE-3.1 drafter (`fc_norm`, `norm_output`) goes through `--from`
+    to every format with its norms and both flags, and the vLLM export's weights rebuild a
+    model that computes what the source does."""
+    import dataclasses
+
+    from test_finetune import logits_of
+
+    base = drafter_for(tiny_verifier)
+    model = Eagle3DraftModel(dataclasses.replace(base.cfg, fc_norm=True, norm_output=True))
+    with torch.no_grad():
+        model.load_state_dict(base.state_dict(), strict=False)
+        for norm in model.fc_norm:
+            norm.weight.uniform_(0.5, 1.5)
+    src = speculators_dir(tmp_path / "spec", model)
+    report = convert_dir(src, tmp_path / "out", "--verifier", str(tiny_verifier))
+    assert report["draft_config"]["fc_norm"] and report["draft_config"]["norm_output"]
+    for fmt in ("vllm", "sglang", "speculators"):
+        cfg = json.loads((tmp_path / "out" / fmt / "config.json").read_text())
+        assert cfg["fc_norm"] is True and cfg["norm_output"] is True, fmt
+        keys = load_file(str(tmp_path / "out" / fmt / "model.safetensors")).keys()
+        assert {f"fc_norm.{i}.weight" for i in range(3)} <= keys, fmt
+    rebuilt = Eagle3DraftModel(model.cfg)
+    state = load_file(str(tmp_path / "out" / "vllm" / "model.safetensors"))
+    rebuilt.load_state_dict({**state, "embed_tokens.weight": model.embed_tokens.weight})
+    for a, b in zip(logits_of(model), logits_of(rebuilt)):
+        assert torch.equal(a, b)
 
 
 def test_aq_medai_layout_through_the_script(tmp_path, tiny_verifier):

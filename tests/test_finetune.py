@@ -101,10 +101,14 @@ def problems(base_dir: Path, cfg: DraftModelConfig = DRAFT, embed=None, **kw) ->
 # Every layout reproduces the base exactly
 
 
-@pytest.mark.parametrize("fmt,nbr,layers", [("sglang", False, 1), ("speculators", False, 1),
-                                            ("speculators", True, 2), ("vllm", False, 1)])
-def test_finetune_reproduces_base_logits(tmp_path, fmt, nbr, layers):
-    cfg = dataclasses.replace(DRAFT, norm_before_residual=nbr, num_layers=layers)
+@pytest.mark.parametrize("fmt,nbr,layers,eagle31", [
+    ("sglang", False, 1, False), ("speculators", False, 1, False),
+    ("speculators", True, 2, False), ("vllm", False, 1, False),
+    ("sglang", False, 1, True), ("speculators", False, 1, True), ("vllm", False, 1, True)])
+def test_finetune_reproduces_base_logits(tmp_path, fmt, nbr, layers, eagle31):
+    """Each layout, with and without EAGLE-3.1's norms (`fc_norm.<i>`, `norm_output`)."""
+    cfg = dataclasses.replace(DRAFT, norm_before_residual=nbr, num_layers=layers,
+                              fc_norm=eagle31, norm_output=eagle31)
     ref = random_model(cfg)
     base_dir = write_base(tmp_path, fmt, ref)
     base = load_base_drafter(base_dir)
@@ -257,6 +261,27 @@ def test_unsupported_flag_and_norm_placement(tmp_path):
     assert len(msgs) == 2
     assert msgs[0].startswith("config: `norm_before_fc` is true")
     assert "set draft.norm_before_residual=true" in msgs[1]
+
+
+def test_eagle31_base_needs_the_same_norms_and_legacy_names_read(tmp_path):
+    """A base trained with EAGLE-3.1's norms: our drafter must have them too (one line naming
+    the setting); an older SGLang-trained one (`aux_norm_low/mid/high`, `use_aux_norm`) is read
+    as `fc_norm.0/1/2` and reproduces its logits."""
+    cfg = dataclasses.replace(DRAFT, fc_norm=True, norm_output=True)
+    ref = random_model(cfg)
+    base_dir = write_base(tmp_path, "sglang", ref)
+    msgs = problems(base_dir, DRAFT)
+    assert "config: base has fc_norm=True, our drafter False: set draft.fc_norm=true" in msgs
+    assert any("set draft.norm_output=true" in m for m in msgs)
+    legacy = dict(zip(("fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"),
+                      ("aux_norm_low.weight", "aux_norm_mid.weight", "aux_norm_high.weight")))
+    edit(base_dir, tensors=lambda t: t.update({legacy[k]: t.pop(k) for k in list(t)
+                                               if k in legacy}),
+         config=lambda c: (c.pop("fc_norm"), c.update(use_aux_norm=True)))
+    assert load_base_drafter(base_dir).shape == cfg
+    model = finetuned(base_dir, cfg, ref.embed_tokens.weight)
+    for a, b in zip(logits_of(ref), logits_of(model)):
+        assert torch.equal(a, b)
 
 
 def test_every_problem_in_one_error(tmp_path):

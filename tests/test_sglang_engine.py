@@ -273,7 +273,8 @@ def fake_verifier(tmp_path: Path, arch: str, vocab: int = 1000, hidden: int = 64
     return d
 
 
-def exported(tmp_path: Path, arch: str, internal: list[int], *extra: str) -> tuple[Path, dict]:
+def exported(tmp_path: Path, arch: str, internal: list[int], *extra: str,
+             eagle31: bool = False) -> tuple[Path, dict]:
     """A random drafter trained (say) on HF layers `internal` of a verifier of `arch`, written in
     the vLLM layout and converted by `05_fix_keys.py --from` (bf16, as served: SGLang loads a
     float32 config as float16 under `--dtype auto`)."""
@@ -285,7 +286,9 @@ def exported(tmp_path: Path, arch: str, internal: list[int], *extra: str) -> tup
 
     verifier = fake_verifier(tmp_path, arch)
     torch.manual_seed(0)
-    model = Eagle3DraftModel(draft_config(1000))
+    import dataclasses
+    model = Eagle3DraftModel(dataclasses.replace(draft_config(1000), fc_norm=eagle31,
+                                                 norm_output=eagle31))
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.2) if p.dim() > 1 else p.uniform_(0.5, 1.5)
@@ -325,6 +328,19 @@ def test_sglang_loads_both_key_layouts_for_a_llama_verifier(tmp_path, fmt):
     if fmt == "sglang":
         assert written == [1, 3, 5]
         assert result["aux"][0]["llama"] == [2, 4, 6]
+
+
+def test_sglang_loads_an_eagle31_drafter_whole(tmp_path):
+    """EAGLE-3.1 norms: SGLang builds `fc_norm.<i>` from the config's `fc_norm` flag and fills
+    each from our export's tensor of that name (nothing left unwritten, nothing skipped)."""
+    out, report = exported(tmp_path, "LlamaForCausalLM", [2, 4, 6], eagle31=True)
+    assert report["formats"]["sglang"]["fc_norm"] and report["formats"]["sglang"]["norm_output"]
+    config = json.loads((out / "sglang" / "config.json").read_text())
+    assert config["fc_norm"] is True and config["norm_output"] is True
+    result = sglang_load(tmp_path, out / "sglang", [1, 3, 5])
+    assert_loaded_whole(result)
+    assert {f"model.fc_norm.{i}.weight" for i in range(3)} <= {r["param"]
+                                                              for r in result["params"]}
 
 
 @pytest.mark.parametrize("internal,rule,valid", [

@@ -8,7 +8,7 @@ cannot be imported this module fails, it does not skip.
 Both models get the same weights (ours copied into theirs; their frozen `verifier_lm_head` =
 the verifier's lm_head rows of the draft vocabulary, their `verifier_norm` = the verifier's
 final norm), the same flags (norm_before_residual both ways, norm_before_fc=False,
-norm_output=False, frozen embedding), the same TTT depth and step decay, on CPU with
+EAGLE-3.1's fc_norm and norm_output off and on, frozen embedding), the same TTT depth and step decay, on CPU with
 `draft_attn_impl` eager or sdpa and `resolve_loss_config("kl_div", "eager")`.
 
 Where the two definitions differ, and what is therefore compared:
@@ -61,12 +61,13 @@ _PREFIX = [6, 5, 8]  # unsupervised tokens at the start of each document (> TTT 
 _TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-def our_config(nbr: bool, layers: int) -> DraftModelConfig:
+def our_config(nbr: bool, layers: int, eagle31: bool = False) -> DraftModelConfig:
     return DraftModelConfig(hidden_size=_H, target_hidden_size=_H, num_aux=3,
                             intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
                             head_dim=8, num_layers=layers, rms_norm_eps=1e-6,
                             rope_theta=10000.0, max_position_embeddings=256, vocab_size=_V,
-                            draft_vocab_size=_VD, norm_before_residual=nbr)
+                            draft_vocab_size=_VD, norm_before_residual=nbr,
+                            fc_norm=eagle31, norm_output=eagle31)
 
 
 def spec_model(cfg: DraftModelConfig, attn: str) -> SpecEagle3:
@@ -80,8 +81,8 @@ def spec_model(cfg: DraftModelConfig, attn: str) -> SpecEagle3:
     layer._attn_implementation = attn
     config = Eagle3SpeculatorConfig(
         transformer_layer_config=layer, draft_vocab_size=cfg.draft_vocab_size,
-        norm_before_residual=cfg.norm_before_residual, norm_before_fc=False, fc_norm=False,
-        norm_output=False, embed_requires_grad=False, eagle_aux_hidden_state_layer_ids=[1, 2, 3],
+        norm_before_residual=cfg.norm_before_residual, norm_before_fc=False,
+        fc_norm=cfg.fc_norm, norm_output=cfg.norm_output, embed_requires_grad=False, eagle_aux_hidden_state_layer_ids=[1, 2, 3],
         speculators_config=SpeculatorsConfig(
             algorithm="eagle3", default_proposal_method="greedy",
             proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=_TTT)],
@@ -89,9 +90,9 @@ def spec_model(cfg: DraftModelConfig, attn: str) -> SpecEagle3:
     return SpecEagle3(config)
 
 
-def setup(nbr: bool, layers: int, attn: str):
+def setup(nbr: bool, layers: int, attn: str, eagle31: bool = False):
     torch.manual_seed(0)
-    cfg = our_config(nbr, layers)
+    cfg = our_config(nbr, layers, eagle31)
     ours = Eagle3DraftModel(cfg)
     with torch.no_grad():
         for p in ours.parameters():
@@ -152,11 +153,12 @@ def capture_lm_head(model: torch.nn.Module) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("attn,nbr,layers", [("eager", False, 1), ("eager", True, 1),
-                                             ("sdpa", False, 1), ("sdpa", True, 1),
-                                             ("eager", False, 2)])
-def test_logits_loss_and_gradients_match_speculators(attn, nbr, layers):
-    ours, theirs, verifier_head = setup(nbr, layers, attn)
+@pytest.mark.parametrize("attn,nbr,layers,eagle31", [
+    ("eager", False, 1, False), ("eager", True, 1, False), ("sdpa", False, 1, False),
+    ("sdpa", True, 1, False), ("eager", False, 2, False),
+    ("sdpa", False, 1, True), ("eager", False, 2, True)])  # EAGLE-3.1: fc_norm + norm_output
+def test_logits_loss_and_gradients_match_speculators(attn, nbr, layers, eagle31):
+    ours, theirs, verifier_head = setup(nbr, layers, attn, eagle31)
     docs = documents(theirs)
     draft_ids = torch.arange(_VD) + ours.d2t
 
