@@ -302,15 +302,29 @@ def candidate_aux_ids(written: list[int], num_layers: int) -> dict[str, list[int
     return out
 
 
+def vocab_maps(base: BaseDrafter) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d) of a base drafter; a full-vocabulary one that ships neither (vLLM could not
+    load them; docs/engines.md "Full vocabulary") has the identity map."""
+    if base.d2t is not None and base.t2d is not None:
+        return base.d2t, base.t2d
+    shape = base.shape
+    if base.d2t is None and base.t2d is None and shape.full_vocab and shape.vocab_size > 0:
+        return (torch.zeros(shape.vocab_size, dtype=torch.int64),
+                torch.ones(shape.vocab_size, dtype=torch.bool))
+    raise BaseDrafterError(base.path, [
+        f"`d2t`/`t2d` missing for a {shape.draft_vocab_size}-token draft vocabulary of "
+        f"{shape.vocab_size}: without them engines map draft id i to token i and accept "
+        f"almost nothing"])
+
+
 def load_vocab(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """Only the (d2t, t2d) of a base drafter, read without loading its other weights."""
+    """The (d2t, t2d) of a base drafter (`vocab_maps`), read without its other weights when it
+    ships them."""
     path = Path(path).expanduser()
     tensors = _read_weights(path)
-    missing = [k for k in ("d2t", "t2d") if k not in tensors]
-    if missing:
-        raise BaseDrafterError(path, [f"`{k}` missing: the base's vocabulary map is unknown"
-                                      for k in missing])
-    return load_tensor(tensors["d2t"]), load_tensor(tensors["t2d"])
+    if "d2t" in tensors and "t2d" in tensors:
+        return load_tensor(tensors["d2t"]), load_tensor(tensors["t2d"])
+    return vocab_maps(load(path))
 
 
 def finetune_draft_config(draft_cfg: DraftModelConfig, base: BaseDrafter,
@@ -416,7 +430,7 @@ def check_base(base: BaseDrafter, draft_cfg: DraftModelConfig, verifier_embed: t
     expected = expected_tensors(shape_cfg, "speculators")
     present = dict(base.weights)
     for name, t in (("d2t", base.d2t), ("t2d", base.t2d)):
-        if t is not None:
+        if t is not None and name in expected:  # a full vocabulary's map is checked below
             present[name] = t
     problems += [p.replace(", expected [", ", our drafter expects [")
                  for p in tensor_problems(expected, present, lambda k: _file_key(base, k))]
@@ -428,14 +442,18 @@ def check_base(base: BaseDrafter, draft_cfg: DraftModelConfig, verifier_embed: t
     if base.embed is not None:
         problems += embedding_problems(base.embed, verifier_embed)
 
-    if d2t is not None and t2d is not None and not allow_remap and base.d2t is not None \
-            and base.t2d is not None:
-        same = (base.d2t.shape == d2t.shape and base.t2d.shape == t2d.shape
-                and torch.equal(base.d2t, d2t.to(base.d2t.dtype))
-                and torch.equal(base.t2d, t2d.to(base.t2d.dtype)))
+    try:  # the identity for a full vocabulary shipped without a map
+        theirs_map: Optional[tuple[torch.Tensor, torch.Tensor]] = vocab_maps(base)
+    except BaseDrafterError:
+        theirs_map = None  # reported above as missing tensors
+    if d2t is not None and t2d is not None and not allow_remap and theirs_map is not None:
+        base_d2t, base_t2d = theirs_map
+        same = (base_d2t.shape == d2t.shape and base_t2d.shape == t2d.shape
+                and torch.equal(base_d2t, d2t.to(base_d2t.dtype))
+                and torch.equal(base_t2d, t2d.to(base_t2d.dtype)))
         if not same:
             ours = set((torch.arange(len(d2t)) + d2t).tolist())
-            theirs = set((torch.arange(len(base.d2t)) + base.d2t).tolist())
+            theirs = set((torch.arange(len(base_d2t)) + base_d2t).tolist())
             problems.append(
                 f"vocabulary map differs from 03_vocab's ({len(theirs - ours)} of the base's "
                 f"{len(theirs)} draft tokens are not in ours): its lm_head rows would score "
@@ -456,8 +474,9 @@ def base_state_dict(base: BaseDrafter, verifier_embed: torch.Tensor,
     """
     state = {k: load_tensor(v) for k, v in base.weights.items()}
     state["embed_tokens.weight"] = verifier_embed
-    state["d2t"] = d2t if d2t is not None else base.d2t
-    state["t2d"] = t2d if t2d is not None else base.t2d
+    d2t, t2d = (d2t, t2d) if d2t is not None and t2d is not None else vocab_maps(base)
+    if len(d2t) != len(t2d):  # a full vocabulary's identity map is not in the state dict
+        state["d2t"], state["t2d"] = d2t, t2d
     if lm_head is not None:
         state["lm_head.weight"] = lm_head
     return state

@@ -40,8 +40,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from eagle3.config import (BenchEngineConfig, Config, Depth, ServerConfig, SourceConfig,
-                           check_sglang_engines)
+from eagle3.config import (BenchEngineConfig, Config, ConfigError, Depth, ServerConfig,
+                           SourceConfig,
+                           check_sglang_engines, sglang_sampling_problem)
 from eagle3.cpu import resolve_dtype
 from eagle3.engines import Server, http_get, root_cause, start_server
 from eagle3.runs import (Stage, StageError, atomic_write_json, atomic_write_text, clean_stale_tmp,
@@ -413,6 +414,8 @@ def engine_args(engine: BenchEngineConfig, depth: Optional[Depth], draft_dir: Pa
                  str(draft_dir), "--speculative-num-steps", str(depth.steps),
                  "--speculative-eagle-topk", str(depth.topk),
                  "--speculative-num-draft-tokens", str(depth.draft_tokens)]
+        if engine.draft_sample != "greedy":  # a full draft vocabulary, chains (config checks)
+            args.append("--speculative-use-rejection-sampling")
     return args
 
 
@@ -927,6 +930,13 @@ def run_bench(stage: Stage) -> None:
                              f"{' (the hf reference decoder reads it)' if fmt != engine.name else ''}"
                              f": add {fmt} to export.formats and rerun "
                              f"`{stage.upstream(5).command()}`")
+    sglang_export = stage.upstream(5).dir / "sglang" / "config.json"
+    if sglang_export.is_file():
+        exported = json.loads(sglang_export.read_text())
+        problem = sglang_sampling_problem(
+            cfg, exported.get("draft_vocab_size") == exported.get("vocab_size"))
+        if problem:
+            raise ConfigError(f"bench.engines[sglang].{problem}")
     sets = prompt_sets(cfg)
     tok = (load_tokenizer(cfg) if any(e.name in ("sglang", REFERENCE) for e in cfg.bench.engines)
            else None)

@@ -329,9 +329,11 @@ class HiddenStatesConfig:
 
 @dataclass(frozen=True)
 class VocabConfig:
-    draft_vocab_size: int = 32000
-    """Rows of the draft `lm_head`; capped at the verifier vocabulary size. Ignored when the map
-    comes from a base drafter (its size wins)."""
+    draft_vocab_size: Union[int, str] = 32000
+    """Rows of the draft `lm_head`: the most frequent answer tokens, capped at the verifier's
+    vocabulary, or `full` for all of it (no d2t/t2d ships; SGLang can then sample drafts,
+    docs/engines.md "Full vocabulary"). Ignored when the map comes from a base drafter (its
+    size wins)."""
     from_checkpoint: Optional[bool] = None
     """Copy the base drafter's d2t/t2d verbatim instead of counting tokens. null = true exactly
     when `train.finetune_from` is set (a recomputed map scrambles the base's lm_head rows)."""
@@ -341,10 +343,19 @@ class VocabConfig:
     differs from 03_vocab is an error."""
 
     def __post_init__(self) -> None:
-        _positive("vocab.draft_vocab_size", self.draft_vocab_size)
+        if isinstance(self.draft_vocab_size, str) and self.draft_vocab_size != "full":
+            raise ConfigError(f"vocab.draft_vocab_size: a number of tokens or `full`, got "
+                              f"{self.draft_vocab_size!r}")
+        if isinstance(self.draft_vocab_size, int):
+            _positive("vocab.draft_vocab_size", self.draft_vocab_size)
         if self.from_checkpoint and self.allow_remap:
             raise ConfigError("vocab.from_checkpoint=true copies the base drafter's map and "
                               "vocab.allow_remap=true asks for a new one: set only one")
+
+    def size_for(self, vocab_size: int) -> int:
+        """The draft vocabulary's size over a verifier vocabulary of `vocab_size`."""
+        return vocab_size if self.draft_vocab_size == "full" else \
+            min(int(self.draft_vocab_size), vocab_size)
 
 
 @dataclass(frozen=True)
@@ -589,10 +600,14 @@ PAGED_MLA_BACKENDS = ("trtllm_mla", "flashmla", "cutedsl_mla", "tokenspeed_mla")
 """SGLang attention backends that always page the KV cache (page size 32 or 64)."""
 
 
-def sglang_depth_problem(depth: Depth, extra_args: list[str]) -> Optional[str]:
+def sglang_depth_problem(depth: Depth, extra_args: list[str],
+                         draft_sample: str = "greedy") -> Optional[str]:
     """Why SGLang 0.5.23 would reject, silently rewrite or fail on `depth` with these server
-    args, or None (docs/engines.md, "SGLang depths"; tests/test_sglang_engine.py runs SGLang's
-    own code on the same triples)."""
+    args and draft sampling, or None (docs/engines.md, "SGLang depths"; tests/test_sglang_engine.py
+    runs SGLang's own code on the same triples)."""
+    if draft_sample != "greedy" and depth.topk != 1:
+        return ("SGLang samples drafts (--speculative-use-rejection-sampling) on chains only "
+                "(topk 1): serve the tree with draft_sample: greedy in an engine of its own")
     if depth.topk == 1 and depth.draft_tokens != depth.steps + 1:
         return (f"topk 1 makes SGLang set draft_tokens to steps + 1 = {depth.steps + 1} "
                 f"(silently): write {depth.steps}/1/{depth.steps + 1}")
@@ -658,6 +673,19 @@ def sglang_engine_problem(cfg: Config, mla: bool) -> Optional[str]:
     return None
 
 
+def sglang_sampling_problem(cfg: Config, full_vocab: bool) -> Optional[str]:
+    """Why the config's sglang engine cannot sample drafts from a drafter whose head is
+    (`full_vocab`) or is not the verifier's whole vocabulary, or None. SGLang 0.5.23's draft
+    worker raises at start-up when rejection sampling meets a reduced vocabulary
+    (docs/engines.md, "Full vocabulary")."""
+    for engine in cfg.bench.engines:
+        if engine.name == "sglang" and engine.draft_sample != "greedy" and not full_vocab:
+            return ("draft_sample: probabilistic (--speculative-use-rejection-sampling) needs a "
+                    "full draft vocabulary and this drafter's is reduced: set "
+                    "vocab.draft_vocab_size=full (and retrain) or draft_sample=greedy")
+    return None
+
+
 def check_sglang_engines(cfg: Config) -> None:
     """Stage 06's check of its sglang engine against the verifier (which config loading may
     not have): a ConfigError naming the missing flag when SGLang could not serve the drafter."""
@@ -689,20 +717,17 @@ class BenchEngineConfig:
     """Also serve the verifier without speculation (the speed-up's reference); null = yes for
     vllm and sglang, no for hf (the reference decoder has no serving speed to compare)."""
     draft_sample: Literal["greedy", "probabilistic"] = "greedy"
-    """How vLLM drafts at T > 0 (its `draft_sample_method`): `greedy` drafts the drafter's
-    argmax and accepts it with the verifier's probability of it; `probabilistic` samples
-    drafts from the drafter and accepts with min(1, p/q), the speculative sampling that
-    acceptance-rate losses (train.loss: lk_*) optimise. T = 0 cells are alike either way.
-    SGLang 0.5.23 drafts a reduced draft vocabulary greedily only (docs/engines.md)."""
+    """How the engine drafts at T > 0: `greedy` drafts the drafter's argmax and accepts it with
+    the verifier's probability of it; `probabilistic` samples drafts from the drafter and
+    accepts with min(1, p/q), the speculative sampling that acceptance-rate losses
+    (train.loss: lk_*) optimise. vLLM: its `draft_sample_method`. SGLang 0.5.23:
+    `--speculative-use-rejection-sampling`, chains only (topk 1) and only for a full draft
+    vocabulary (`vocab.draft_vocab_size: full`; docs/engines.md). T = 0 cells are alike
+    either way."""
 
     def __post_init__(self) -> None:
         if self.name == "hf":
             self._check_reference()
-        if self.name == "sglang" and self.draft_sample != "greedy":
-            raise ConfigError("bench.engines[sglang].draft_sample: SGLang 0.5.23 samples "
-                              "drafts only for a draft vocabulary equal to the target's "
-                              "(--speculative-use-rejection-sampling), so it drafts ours "
-                              "greedily; remove it or serve on a vllm engine")
         where = f"bench.engines[{self.name}].depths"
         if not self.depths:
             raise ConfigError(f"{where}: give at least one depth")
@@ -714,7 +739,8 @@ class BenchEngineConfig:
                                   f"drafts chains only: serve trees on an sglang engine")
             if self.name in ("vllm", "hf") and depth.draft_tokens != depth.steps + 1:
                 raise ConfigError(f"{where}: {value}: a vLLM chain of K tokens is K/1/K+1")
-            problem = sglang_depth_problem(depth, list(self.server.extra_args))
+            problem = sglang_depth_problem(depth, list(self.server.extra_args),
+                                           self.draft_sample)
             if self.name == "sglang" and problem:
                 raise ConfigError(f"{where}: {depth.label}: {problem}")
         # What is wrong for every verifier is refused here; the MLA rule needs the verifier's

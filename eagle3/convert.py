@@ -114,17 +114,12 @@ def _internal_aux(base: base_drafter.BaseDrafter, arch: Optional[str],
 
 def _vocab_maps(base: base_drafter.BaseDrafter, notes: list[str]
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d2t, t2d) of the source; a full-vocabulary drafter without them gets the identity."""
-    if base.d2t is not None and base.t2d is not None:
-        return base.d2t, base.t2d
-    shape = base.shape
-    if base.d2t is None and base.t2d is None and shape.draft_vocab_size == shape.vocab_size > 0:
-        notes.append("no d2t/t2d in the source: a full-vocabulary drafter, identity map written")
-        return (torch.zeros(shape.vocab_size, dtype=torch.int64),
-                torch.ones(shape.vocab_size, dtype=torch.bool))
-    raise StageError(f"{base.path}: `d2t`/`t2d` missing for a {shape.draft_vocab_size}-token "
-                     f"draft vocabulary of {shape.vocab_size}: without them engines map draft id "
-                     f"i to token i and accept almost nothing")
+    """(d2t, t2d) of the source (`base_drafter.vocab_maps`), with a note when implied."""
+    maps = base_drafter.vocab_maps(base)
+    if base.d2t is None:
+        notes.append("no d2t/t2d in the source: a full-vocabulary drafter (identity map), "
+                     "none written")
+    return maps
 
 
 def _problems(base: base_drafter.BaseDrafter, maps: tuple[torch.Tensor, torch.Tensor],
@@ -141,7 +136,8 @@ def _problems(base: base_drafter.BaseDrafter, maps: tuple[torch.Tensor, torch.Te
                         f"has it")
     expected = formats.expected_tensors(shape, "speculators")
     present = {k: v for k, v in base.weights.items() if k != "lm_head.weight"}
-    expected.pop("d2t"), expected.pop("t2d"), expected.pop("lm_head.weight")
+    for key in ("d2t", "t2d", "lm_head.weight"):  # checked above
+        expected.pop(key, None)
     problems += formats.tensor_problems(expected, present)
     if verifier is None:
         problems += base_drafter.verifier_fit_problems(shape, None, None)
@@ -187,7 +183,9 @@ def run_convert(args: argparse.Namespace) -> dict[str, Any]:
                          unchecked)
     if problems:
         raise base_drafter.BaseDrafterError(src, problems)
-    weights: dict[str, TensorLike] = {**base.weights, "d2t": d2t, "t2d": t2d}
+    weights: dict[str, TensorLike] = dict(base.weights)
+    if not base.shape.full_vocab:  # a full vocabulary ships no map (docs/engines.md)
+        weights.update(d2t=d2t, t2d=t2d)
     drafter = Drafter(src, base.shape, internal, weights)
     ctx = formats.ExportContext(verifier_path=verifier or "", verifier_arch=arch or "",
                                 speculative_tokens=args.speculative_tokens,

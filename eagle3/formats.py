@@ -579,7 +579,7 @@ def write_export(directory: Path, fmt: str, state: Mapping[str, TensorLike],
 # Validation (reads back what the engine will load)
 
 
-def _key_problems(fmt: str, keys: set[str]) -> list[str]:
+def _key_problems(fmt: str, keys: set[str], draft: DraftModelConfig) -> list[str]:
     """Key-name hazards: each one makes an engine fail or load random weights silently."""
     problems = []
     for key in sorted(keys):
@@ -593,12 +593,18 @@ def _key_problems(fmt: str, keys: set[str]) -> list[str]:
         problems.append(f"SGLang export has `layers.N.*` keys {layer_keys[:3]}"
                         f"{'...' if len(layer_keys) > 3 else ''}: SGLang before 0.5.23 drops "
                         f"them silently (random weights); rename to `midlayer.*`")
-    if "d2t" not in keys:
+    maps = sorted(keys & {"d2t", "t2d"})
+    if draft.full_vocab and maps:
+        problems.append(f"{' and '.join(f'`{k}`' for k in maps)} shipped with a full-vocabulary "
+                        f"head: vLLM has no parameter to load `d2t` into and refuses the "
+                        f"drafter; SGLang takes the hot-token path; ship neither "
+                        f"(docs/engines.md \"Full vocabulary\")")
+    if not draft.full_vocab and "d2t" not in keys:
         problems.append("`d2t` missing (engines fall back to the identity map: draft id i -> "
                         "target id i, acceptance collapses)")
     if "lm_head.weight" not in keys:
         problems.append("`lm_head.weight` missing (the engine would use the verifier's "
-                        "full-vocabulary head with a reduced-vocabulary drafter)")
+                        "full-vocabulary head in place of the drafter's trained one)")
     return problems
 
 
@@ -683,7 +689,7 @@ def validate_export(directory: Path, fmt: str, draft: DraftModelConfig,
     if cfg:
         problems += spec.config_problems(cfg, draft, aux_layer_ids, ctx)
         problems += parsed_config_problems(directory, cfg, fmt, draft)
-    problems += _key_problems(fmt, keys)
+    problems += _key_problems(fmt, keys, draft)
     try:
         layout = detect_layout(k.removeprefix("model.").removeprefix(COMPILE_PREFIX)
                                for k in keys if k not in ("d2t", "t2d"))
@@ -693,15 +699,15 @@ def validate_export(directory: Path, fmt: str, draft: DraftModelConfig,
     if layout not in spec.accepted_layouts:
         layout = spec.layout
     def hazard(k: str) -> bool:  # already reported by _key_problems
-        return k.startswith(("model.", COMPILE_PREFIX)) or (fmt == "sglang"
-                                                            and bool(_LAYER_KEY.match(k)))
+        return k.startswith(("model.", COMPILE_PREFIX)) or (fmt == "sglang" and bool(
+            _LAYER_KEY.match(k))) or (draft.full_vocab and k in ("d2t", "t2d"))
     expected = {k: v for k, v in expected_tensors(draft, layout).items()
                 if k not in ("d2t", "lm_head.weight") or k in keys}  # reported above
     problems += tensor_problems(expected, tensors, ignore_unexpected=hazard)
     nonfinite = [k for k, t in sorted(tensors.items()) if t.is_floating_point()
                  and not bool(torch.isfinite(load(t)).all())]
     problems += [f"`{k}` has NaN or infinite values" for k in nonfinite]
-    if "d2t" in tensors and "t2d" in tensors:
+    if "d2t" in tensors and "t2d" in tensors and not draft.full_vocab:
         problems += vocab_map_problems(load(tensors["d2t"]), load(tensors["t2d"]),
                                        draft.draft_vocab_size, draft.vocab_size)
     if problems:
@@ -717,6 +723,9 @@ def _summary(fmt: str, layout: str, tensors: dict[str, TensorLike], draft: Draft
         "layout": layout,
         "num_keys": len(tensors),
         "num_parameters": int(sum(t.numel() for t in tensors.values() if t.is_floating_point())),
+        "vocab_size": draft.vocab_size,
+        "draft_vocab_size": draft.draft_vocab_size,
+        "full_vocab": draft.full_vocab,
         "dtypes": sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()}),
         "shapes": {k: list(tensors[k].shape) for k in sorted(tensors)},
         "aux_layer_ids_internal": list(aux_layer_ids),
@@ -728,5 +737,6 @@ def _summary(fmt: str, layout: str, tensors: dict[str, TensorLike], draft: Draft
         "embedding_shipped": spec.ships_embedding,
         "checks_passed": ["config fields", "key names (no model./_orig_mod./layers.N in sglang)",
                           "exact key set", "shapes", "dtypes (d2t int64, t2d bool)",
-                          "finite weights", "d2t offsets onto t2d", "aux ids"],
+                          "finite weights", "full vocabulary: no d2t/t2d" if draft.full_vocab
+                          else "d2t offsets onto t2d", "aux ids"],
     }

@@ -50,7 +50,7 @@ class DraftModelConfig:
     vocab_size: int
     """Verifier vocabulary (rows of the frozen embedding)."""
     draft_vocab_size: int
-    """Rows of `lm_head`."""
+    """Rows of `lm_head`; equal to `vocab_size` for a full-vocabulary head (`full_vocab`)."""
     norm_before_residual: bool = False
     fc_norm: bool = False
     """EAGLE-3.1: an RMSNorm of its own on each aux state before `fc` (`fc_norm.<i>.weight`)."""
@@ -61,6 +61,13 @@ class DraftModelConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple "
                              f"of num_key_value_heads={self.num_key_value_heads}")
+
+    @property
+    def full_vocab(self) -> bool:
+        """The head covers the verifier's whole vocabulary: draft id i is target id i, and no
+        d2t/t2d ships (vLLM has nothing to load them into; docs/engines.md "Full
+        vocabulary")."""
+        return self.draft_vocab_size == self.vocab_size
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -530,8 +537,12 @@ class Eagle3DraftModel(nn.Module):
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
-        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        # A full-vocabulary head has the identity map by construction and none in its state
+        # dict, so no checkpoint or export of it carries one.
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long),
+                             persistent=not cfg.full_vocab)
+        self.register_buffer("t2d", torch.full((cfg.vocab_size,), cfg.full_vocab),
+                             persistent=not cfg.full_vocab)
 
     def new_cache(self) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
         """Per-layer key/value lists: entry j holds TTT step j's keys and values."""
@@ -572,7 +583,7 @@ class Eagle3DraftModel(nn.Module):
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """Everything a checkpoint ships: all weights but the (frozen, verifier-owned) embedding,
-        plus the d2t/t2d vocabulary maps."""
+        plus the d2t/t2d vocabulary maps of a reduced draft vocabulary."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
 
 

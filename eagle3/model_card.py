@@ -108,10 +108,12 @@ def verifier_mla(verifier: Optional[str]) -> Optional[bool]:
 def serve_commands(fmt: str, export_dir: Path, siblings: dict[str, Path], verifier: str,
                    trust_remote_code: bool, draft_sample: Optional[dict[str, str]] = None,
                    depth: int = 3, mla: Optional[bool] = None,
-                   tp: Optional[dict[str, int]] = None) -> dict[str, str]:
+                   tp: Optional[dict[str, int]] = None, full_vocab: bool = False
+                   ) -> dict[str, str]:
     """Engine -> the command that serves the verifier with this drafter (or its sibling export
     for the other engine), with stage 06's own flags at a chain of `depth` and the run's way of
-    drafting at T > 0 (`draft_sample`: engine -> bench.engines[].draft_sample). SGLang gets the
+    drafting at T > 0 (`draft_sample`: engine -> bench.engines[].draft_sample; SGLang samples
+    only a `full_vocab` head's drafts). SGLang gets the
     drafter its own attention backend unless the verifier is known not to be MLA (`mla`): on
     Blackwell an MLA verifier's trtllm_mla would stop the drafter, and on NVIDIA GPUs flashinfer
     serves any Llama-layer drafter (docs/engines.md, "The drafter's attention backend")."""
@@ -123,7 +125,9 @@ def serve_commands(fmt: str, export_dir: Path, siblings: dict[str, Path], verifi
     dirs[ENGINE_OF[fmt]] = export_dir
     remote = ["--trust-remote-code"] if trust_remote_code else []
     for engine, d in sorted(dirs.items()):
-        sample = (draft_sample or {}).get(engine, "greedy")  # the config keeps SGLang greedy
+        sample = (draft_sample or {}).get(engine, "greedy")
+        if engine == "sglang" and not full_vocab:  # SGLang samples a full vocabulary only
+            sample = "greedy"
         flags = engine_args(BenchEngineConfig(name=engine, draft_sample=sample,
                                               tp=(tp or {}).get(engine)),
                             Depth(depth, 1, depth + 1), d, 1, metrics=False)
@@ -144,7 +148,7 @@ def model_card(fmt: str, record: dict[str, Any], provenance: dict[str, Any], exp
                siblings: dict[str, Path]) -> str:
     verifier = provenance.get("verifier") or "<verifier path>"
     shapes = record["shapes"]
-    draft_vocab, vocab = shapes["d2t"][0], shapes["t2d"][0]
+    draft_vocab, vocab = shapes["lm_head.weight"][0], record["vocab_size"]
     train = provenance.get("training") or {}
     lines = [
         f"# EAGLE-3 drafter for {Path(verifier).name} ({fmt} layout)", "",
@@ -157,6 +161,7 @@ def model_card(fmt: str, record: dict[str, Any], provenance: dict[str, Any], exp
         f"| aux ids written in this config | {record['aux_layer_ids_written']} "
         f"({', '.join(record['aux_ids_valid_for'])}) |",
         f"| draft vocabulary | {draft_vocab} of {vocab} tokens"
+        + (" (the full vocabulary: no d2t/t2d)" if draft_vocab == vocab else "")
         + (f", covering {provenance['vocab']['coverage']:.1%} of the training answers' tokens"
            if (provenance.get("vocab") or {}).get("coverage") is not None else "") + " |",
         f"| parameters | {record['num_parameters'] / 1e6:.1f}M ({', '.join(record['dtypes'])}; "
@@ -189,7 +194,7 @@ def model_card(fmt: str, record: dict[str, Any], provenance: dict[str, Any], exp
     commands = serve_commands(fmt, export_dir, siblings, verifier,
                               bool(provenance.get("trust_remote_code")),
                               provenance.get("draft_sample"), mla=mla,
-                              tp=provenance.get("tp"))
+                              tp=provenance.get("tp"), full_vocab=draft_vocab == vocab)
     for engine, cmd in commands.items():
         lines += [f"{engine}:", "", "```bash", cmd, "```", ""]
     if "sglang" in commands and mla is not False:

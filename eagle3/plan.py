@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from eagle3.config import (Config, ConfigError, VerifierInfo, load_config, read_verifier_info,
-                           sglang_engine_problem)
+                           sglang_engine_problem, sglang_sampling_problem)
 from eagle3.cpu import cpu_verdicts, features
 from eagle3.runs import StageError
 
@@ -155,13 +155,15 @@ def training_memory(cfg: Config, info: VerifierInfo, tokens: Optional[int] = Non
     from eagle3.train import draft_model_config
 
     tc = cfg.train
-    vd = min(cfg.vocab.draft_vocab_size, info.vocab_size)
+    vd = cfg.vocab.size_for(info.vocab_size)
     shape = draft_model_config(cfg, info.vocab_size, vd, info)
     with torch.device("meta"):
         model = Eagle3DraftModel(shape)
     trainable = sum(p.numel() for n, p in model.named_parameters()
                     if not n.startswith("embed_tokens"))
-    frozen = 4 * info.vocab_size * info.hidden_size * 2  # embedding + teacher head, fp32
+    # embedding + the teacher's head in fp32, and its draft rows (`VerifierHead`: a copy for a
+    # reduced vocabulary, the head itself for the full one)
+    frozen = 4 * info.hidden_size * (2 * info.vocab_size + (0 if shape.full_vocab else vd))
     states = {"ddp": 22 * trainable + frozen,
               "fsdp": 16 * trainable / cfg.plan.gpus + 6 * trainable + frozen,
               "none": 18 * trainable + frozen}  # one process: no gradient buckets
@@ -407,8 +409,8 @@ def _init_verdict(cfg: Config) -> Verdict:
     try:
         info = cfg.verifier_info
         with torch.device("meta"):
-            model = Eagle3DraftModel(draft_model_config(cfg, info.vocab_size,
-                                                        cfg.vocab.draft_vocab_size))
+            model = Eagle3DraftModel(draft_model_config(
+                cfg, info.vocab_size, cfg.vocab.size_for(info.vocab_size)))
         init_from_verifier_layer(model, cfg.verifier_path, info, check_only=True)
     except (StageError, ConfigError) as e:
         return Verdict("drafter init from a verifier layer", False, str(e)[:200])
@@ -474,8 +476,18 @@ def _sglang_backend_verdicts(cfg: Config, info: VerifierInfo) -> list[Verdict]:
     if not any(e.name == "sglang" for e in cfg.bench.engines):
         return []
     problem = sglang_engine_problem(cfg, info.mla)
-    return [Verdict("sglang drafter attention backend", problem is None,
-                    problem or "the drafter gets a backend it can run")]
+    verdicts = [Verdict("sglang drafter attention backend", problem is None,
+                        problem or "the drafter gets a backend it can run")]
+    if any(e.name == "sglang" and e.draft_sample != "greedy" for e in cfg.bench.engines):
+        if cfg.copies_base_vocab:  # the base drafter's map decides; stage 06 reads the export
+            verdicts.append(Verdict("sglang draft sampling", None,
+                                    "the base drafter's vocabulary decides (checked at stage 06)"))
+        else:
+            problem = sglang_sampling_problem(
+                cfg, cfg.vocab.size_for(info.vocab_size) == info.vocab_size)
+            verdicts.append(Verdict("sglang draft sampling", problem is None,
+                                    problem or "a full draft vocabulary: SGLang samples drafts"))
+    return verdicts
 
 
 def _loads_line(cfg: Config) -> str:

@@ -40,14 +40,18 @@ class Teacher:
 @dataclass
 class VerifierHead:
     """The verifier's output head in fp32, whole and as its draft-vocabulary rows (gathered
-    once: at Kimi's shape the gather alone copies 0.9 GB)."""
+    once: at Kimi's shape the gather alone copies 0.9 GB; a full draft vocabulary's rows are
+    the head itself, 4.7 GB not copied)."""
     full: torch.Tensor   # [V, H]
     draft: torch.Tensor  # [Vd, H] = full[draft_ids]
 
     @classmethod
     def of(cls, lm_head: torch.Tensor, draft_ids: torch.Tensor) -> "VerifierHead":
         full = lm_head.float()
-        return cls(full, full[draft_ids.to(full.device)].contiguous())
+        draft_ids = draft_ids.to(full.device)
+        if torch.equal(draft_ids, torch.arange(full.shape[0], device=full.device)):
+            return cls(full, full)
+        return cls(full, full[draft_ids].contiguous())
 
 
 class FullStats(NamedTuple):

@@ -181,8 +181,8 @@ def build_finetune_model(stage: Stage, d2t: torch.Tensor, t2d: torch.Tensor,
     dcfg = base_drafter.finetune_draft_config(draft_model_config(cfg, len(t2d), len(d2t)), base,
                                               intermediate_size=cfg.draft.intermediate_size)
     base_drafter.check_base(base, dcfg, embed, d2t, t2d, allow_remap=cfg.vocab.allow_remap)
-    head = (remap_lm_head(load_tensor(base.weights["lm_head.weight"]), base.d2t, d2t,
-                          verifier_lm_head)
+    head = (remap_lm_head(load_tensor(base.weights["lm_head.weight"]),
+                          base_drafter.vocab_maps(base)[0], d2t, verifier_lm_head)
             if cfg.vocab.allow_remap else None)
     model = Eagle3DraftModel(dcfg)
     model.load_state_dict(base_drafter.base_state_dict(base, embed, d2t, t2d, head))

@@ -137,7 +137,7 @@ def run_vocab(stage: Stage) -> None:
         d2t, t2d = _base_map(cfg)
         mode = "from_checkpoint"
     else:
-        d2t, t2d = build_vocab_map(counts, cfg.vocab.draft_vocab_size, eot)
+        d2t, t2d = build_vocab_map(counts, cfg.vocab.size_for(info.vocab_size), eot)
         mode = "remap" if base else "counts"
     cov = coverage(counts, t2d)
     seen = int((counts > 0).sum())

@@ -358,16 +358,42 @@ def test_server_command_shape(tmp_path, tiny_verifier):
     assert sglang[sglang.index("--context-length") + 1] == "1024"
 
 
-def test_probabilistic_drafting_reaches_vllm_and_is_refused_for_sglang():
+def test_probabilistic_drafting_reaches_both_engines_where_they_can_sample(tmp_path,
+                                                                         tiny_verifier):
+    """vLLM: draft_sample_method. SGLang: --speculative-use-rejection-sampling on chains only
+    (a tree is refused at config load, as SGLang's resolution refuses it; tests/
+    test_sglang_engine.py runs that code) and for a full draft vocabulary only (stage 06 and the
+    plan read the vocabulary; SGLang's draft worker raises otherwise)."""
+    from eagle3.config import sglang_sampling_problem
     engine = BenchEngineConfig(name="vllm", draft_sample="probabilistic")
     args = bench.engine_args(engine, parse_depth(3, "d"), Path("/d"), 1)
     spec = json.loads(args[args.index("--speculative-config") + 1])
     assert spec["draft_sample_method"] == "probabilistic"
     greedy = bench.engine_args(BenchEngineConfig(name="vllm"), parse_depth(3, "d"), Path("/d"), 1)
     assert "draft_sample_method" not in json.loads(greedy[-1])
-    with pytest.raises(ConfigError, match="SGLang 0.5.23 samples drafts only for a draft "
-                                          "vocabulary equal"):
-        BenchEngineConfig(name="sglang", draft_sample="probabilistic")
+
+    sglang = BenchEngineConfig(name="sglang", depths=["3/1/4"], draft_sample="probabilistic")
+    assert "--speculative-use-rejection-sampling" in bench.engine_args(
+        sglang, parse_depth("3/1/4", "d"), Path("/d"), 1)
+    assert "--speculative-use-rejection-sampling" not in bench.engine_args(
+        BenchEngineConfig(name="sglang", depths=["3/1/4"]), parse_depth("3/1/4", "d"),
+        Path("/d"), 1)
+    assert "--speculative-use-rejection-sampling" not in bench.engine_args(
+        sglang, None, Path("/d"), 1)  # the baseline has no drafter
+    with pytest.raises(ConfigError, match="on chains only"):
+        BenchEngineConfig(name="sglang", depths=["5/4/8"], draft_sample="probabilistic")
+
+    from conftest import make_config
+    from eagle3.plan import _sglang_backend_verdicts
+    engines_ = {"engines": [{"name": "sglang", "depths": ["3/1/4"],
+                             "draft_sample": "probabilistic"}]}
+    for size, ok in (("full", True), (64, False)):
+        cfg = make_config(tmp_path, tiny_verifier, vocab={"draft_vocab_size": size},
+                          bench=engines_)
+        verdict = _sglang_backend_verdicts(cfg, cfg.verifier_info)[-1]
+        assert verdict.check == "sglang draft sampling" and verdict.ok is ok, verdict
+    assert sglang_sampling_problem(cfg, full_vocab=True) is None
+    assert "vocab.draft_vocab_size=full" in sglang_sampling_problem(cfg, full_vocab=False)
 
 
 def test_one_bench_entry_per_engine(tmp_path, tiny_verifier):

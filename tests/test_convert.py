@@ -311,3 +311,33 @@ def test_model_card_carries_the_runs_training_and_measured_acceptance(tmp_path, 
     assert f"--speculative-draft-model-path {tmp_path / 'pub' / 'sglang'}" in card
     assert f'"model": "{tmp_path / "pub" / "vllm"}"' in card
     assert '"draft_sample_method": "probabilistic"' in card  # as the run's stage 06 served it
+
+
+@pytest.mark.parametrize("ships_map", [False, True])
+def test_full_vocabulary_drafter_through_from(tmp_path, tiny_verifier, ships_map):
+    """A full-vocabulary drafter in SGLang's layout (lightseek's Kimi drafters are of this kind),
+    without a map or with an identity one (some trainers save it): every format is written
+    without d2t/t2d, which vLLM could not load, and validates."""
+    import dataclasses
+    embed = read_tensor(tiny_verifier, "embed")
+    vocab = embed.shape[0]
+    torch.manual_seed(5)
+    model = Eagle3DraftModel(dataclasses.replace(draft_config(vocab, embed.shape[1]),
+                                                 draft_vocab_size=vocab))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+        model.embed_tokens.weight.copy_(embed)
+    src = aq_medai_dir(tmp_path / "full", model, aux=[0, 1, 2])
+    if ships_map:
+        tensors = load_file(str(src / "model.safetensors"))
+        save_file({**tensors, "d2t": torch.zeros(vocab, dtype=torch.int64),
+                   "t2d": torch.ones(vocab, dtype=torch.bool)}, str(src / "model.safetensors"))
+    report = convert_dir(src, tmp_path / "out", "--verifier", str(tiny_verifier))
+    assert sorted(report["formats"]) == ["sglang", "speculators", "vllm"]
+    for fmt, record in report["formats"].items():
+        assert record["full_vocab"] and record["draft_vocab_size"] == vocab
+        written = load_file(str(tmp_path / "out" / fmt / "model.safetensors"))
+        assert not {"d2t", "t2d"} & set(written)
+        lm_head = written["lm_head.weight"]
+        assert torch.equal(lm_head, model.lm_head.weight.detach().to(lm_head.dtype))

@@ -444,3 +444,44 @@ def test_malicious_bin_is_one_line_refusal(tmp_path):
     (msg,) = e.value.problems
     assert msg.startswith("pytorch_model.bin holds more than tensors and was refused")
     assert "\n" not in msg
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "speculators", "vllm"])
+def test_full_vocabulary_base_has_the_identity_map_and_reproduces_its_logits(tmp_path, fmt):
+    """A full-vocabulary base ships no d2t/t2d (lightseek's Kimi drafters are of this kind):
+    its map is the identity, it fine-tunes exactly, a reduced map of ours is refused by name,
+    and `vocab.allow_remap` moves its rows onto a reduced head by token."""
+    cfg = dataclasses.replace(DRAFT, draft_vocab_size=_V)
+    ref = random_model(cfg)
+    base_dir = write_base(tmp_path, fmt, ref)
+    assert not {"d2t", "t2d"} & set(load_file(str(base_dir / "model.safetensors")))
+    base = load_base_drafter(base_dir)
+    assert base.shape == cfg and base.d2t is None and base.t2d is None
+    d2t, t2d = load_base_vocab(base_dir)
+    assert torch.equal(d2t, torch.zeros(_V, dtype=torch.long)) and bool(t2d.all())
+    check_base(base, cfg, ref.embed_tokens.weight, d2t, t2d)
+    model = finetuned(base_dir, cfg, ref.embed_tokens.weight)
+    for a, b in zip(logits_of(ref), logits_of(model)):
+        assert torch.equal(a, b)
+
+    reduced = random_model(seed=1)
+    assert any("draft_vocab_size" in p for p in problems(base_dir, DRAFT, d2t=reduced.d2t,
+                                                         t2d=reduced.t2d))
+    head = remap_lm_head(load_tensor(base.weights["lm_head.weight"]), d2t, reduced.d2t,
+                         torch.randn(_V, _H))
+    check_base(base, DRAFT, ref.embed_tokens.weight, reduced.d2t, reduced.t2d, allow_remap=True)
+    remapped = Eagle3DraftModel(DRAFT)
+    remapped.load_state_dict(base_state_dict(base, ref.embed_tokens.weight, reduced.d2t,
+                                             reduced.t2d, head))
+    kept = (torch.arange(_VD) + reduced.d2t)
+    assert torch.equal(logits_of(remapped)[0], logits_of(ref)[0][..., kept])
+
+
+def test_reduced_base_without_a_map_is_refused(tmp_path):
+    """Only a full head implies its map: a reduced one without d2t/t2d would serve draft id i
+    as token i."""
+    base_dir = write_base(tmp_path, "sglang", random_model())
+    edit(base_dir, tensors=lambda t: (t.pop("d2t"), t.pop("t2d")))
+    with pytest.raises(BaseDrafterError, match=f"`d2t`/`t2d` missing for a {_VD}-token draft "
+                                               f"vocabulary of {_V}"):
+        load_base_vocab(base_dir)

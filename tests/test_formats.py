@@ -458,3 +458,27 @@ def test_config_is_judged_as_transformers_parses_it(tmp_path, fmt):
     if fmt != "speculators":
         rewrite(out, edit_config=lambda cfg: cfg.update(model_type="no-such-model"))
         assert "cannot parse it (ValueError" in problems_of(out, fmt)
+
+
+FULL = dataclasses.replace(DRAFT, draft_vocab_size=_VOCAB)
+
+
+@pytest.mark.parametrize("fmt", formats.FORMATS)
+def test_full_vocabulary_ships_no_map_and_a_stray_one_is_refused(tmp_path, fmt):
+    """A draft vocabulary equal to the verifier's: vLLM 0.34 builds no `draft_id_to_target_id`
+    and its loader raises on a `d2t` ("There is no module or parameter named ..."), SGLang
+    would keep a hot-token map (no draft sampling): neither map ships, the config still names
+    `draft_vocab_size` (without it SGLang would load the target's head in place of ours)."""
+    out = export(tmp_path, fmt, draft=FULL)
+    assert not {"d2t", "t2d"} & set(load_file(str(out / "model.safetensors")))
+    report = validate_export(out, fmt, FULL, _AUX, CTX)
+    assert report["full_vocab"] and report["draft_vocab_size"] == _VOCAB
+    assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == _VOCAB
+    rewrite(out, edit_tensors=lambda t: t.update(d2t=torch.zeros(_VOCAB, dtype=torch.int64),
+                                                 t2d=torch.ones(_VOCAB, dtype=torch.bool)))
+    with pytest.raises(ExportValidationError) as e:
+        validate_export(out, fmt, FULL, _AUX, CTX)
+    assert e.value.problems == [
+        "`d2t` and `t2d` shipped with a full-vocabulary head: vLLM has no parameter to load "
+        "`d2t` into and refuses the drafter; SGLang takes the hot-token path; ship neither "
+        "(docs/engines.md \"Full vocabulary\")"]

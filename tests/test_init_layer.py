@@ -18,7 +18,7 @@ from eagle3.verifier import read_tensor
 
 
 def _model(cfg):
-    n = cfg.vocab.draft_vocab_size
+    n = cfg.vocab.size_for(cfg.verifier_info.vocab_size)
     t2d = torch.zeros(cfg.verifier_info.vocab_size, dtype=torch.bool)
     t2d[:n] = True
     return build_model(cfg, torch.zeros(n, dtype=torch.long), t2d,

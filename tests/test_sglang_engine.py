@@ -94,6 +94,11 @@ DEPTH_CASES = [
     ("5/4/8", ["--attention-backend", "fa3", "--page-size", "64"], "h100"),
     ("5/1/6", ["--attention-backend", "trtllm_mla"], "b200"),
 ]
+SAMPLED = "--speculative-use-rejection-sampling"
+DEPTH_CASES += [("3/1/4", [SAMPLED], "h100"), ("16/1/17", [SAMPLED], "b200"),
+                ("5/4/8", [SAMPLED], "h100"), ("3/2/9", [SAMPLED], "h100")]
+"""The same depths drafted by sampling (bench.engines[sglang].draft_sample: probabilistic, which
+stage 06 writes as this flag)."""
 
 
 def test_our_depth_rules_agree_with_sglang(tmp_path):
@@ -114,7 +119,8 @@ def test_our_depth_rules_agree_with_sglang(tmp_path):
     depths = [parse_depth(label, "x") for label, _, _ in DEPTH_CASES]
     fits = trees_fit([d for d in depths if d.topk > 1])
     for (label, extra, platform), d, got in zip(DEPTH_CASES, depths, answers):
-        ours = sglang_depth_problem(d, extra)
+        sample = "probabilistic" if SAMPLED in extra else "greedy"
+        ours = sglang_depth_problem(d, [a for a in extra if a != SAMPLED], sample)
         kept = "error" not in got and (got["speculative_num_steps"], got["speculative_eagle_topk"],
                                        got["speculative_num_draft_tokens"]) == (
             d.steps, d.topk, d.draft_tokens)
@@ -169,7 +175,7 @@ def kimi_drafter_config(tmp_path: Path, cfg) -> str:
     from eagle3.train import draft_model_config
 
     info = read_verifier_info(dataclasses.replace(cfg.verifier, path=cfg.plan.verifier_config))
-    draft = draft_model_config(cfg, info.vocab_size, cfg.vocab.draft_vocab_size, info)
+    draft = draft_model_config(cfg, info.vocab_size, cfg.vocab.size_for(info.vocab_size), info)
     config = get_format("sglang").config(draft, list(info.aux_layer_ids),
                                          ExportContext(str(cfg.verifier_path), info.architecture))
     path = tmp_path / "kimi-drafter-config.json"
@@ -274,7 +280,7 @@ def fake_verifier(tmp_path: Path, arch: str, vocab: int = 1000, hidden: int = 64
 
 
 def exported(tmp_path: Path, arch: str, internal: list[int], *extra: str,
-             eagle31: bool = False) -> tuple[Path, dict]:
+             eagle31: bool = False, full_vocab: bool = False) -> tuple[Path, dict]:
     """A random drafter trained (say) on HF layers `internal` of a verifier of `arch`, written in
     the vLLM layout and converted by `05_fix_keys.py --from` (bf16, as served: SGLang loads a
     float32 config as float16 under `--dtype auto`)."""
@@ -284,18 +290,23 @@ def exported(tmp_path: Path, arch: str, internal: list[int], *extra: str,
     from eagle3.formats import ExportContext, write_export
     from eagle3.model import Eagle3DraftModel
 
-    verifier = fake_verifier(tmp_path, arch)
+    # a full head's rows are a multiple of 64 here, as SGLang pads ParallelLMHead (and as
+    # 49,152 and 163,840 are), so the check can compare every row
+    vocab = 1024 if full_vocab else 1000
+    verifier = fake_verifier(tmp_path, arch, vocab)
     torch.manual_seed(0)
     import dataclasses
-    model = Eagle3DraftModel(dataclasses.replace(draft_config(1000), fc_norm=eagle31,
-                                                 norm_output=eagle31))
+    model = Eagle3DraftModel(dataclasses.replace(draft_config(vocab), fc_norm=eagle31,
+                                                 norm_output=eagle31,
+                                                 draft_vocab_size=vocab if full_vocab else 512))
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.2) if p.dim() > 1 else p.uniform_(0.5, 1.5)
-        chosen = torch.randperm(1000)[:512].sort().values
-        model.d2t.copy_(chosen - torch.arange(512))
-        model.t2d.zero_()
-        model.t2d[chosen] = True
+        if not full_vocab:
+            chosen = torch.randperm(vocab)[:512].sort().values
+            model.d2t.copy_(chosen - torch.arange(512))
+            model.t2d.zero_()
+            model.t2d[chosen] = True
     src = tmp_path / "src"
     src.mkdir()
     write_export(src, "vllm", model.trainable_state_dict(), model.cfg, internal,
@@ -341,6 +352,21 @@ def test_sglang_loads_an_eagle31_drafter_whole(tmp_path):
     assert_loaded_whole(result)
     assert {f"model.fc_norm.{i}.weight" for i in range(3)} <= {r["param"]
                                                               for r in result["params"]}
+
+
+def test_sglang_loads_a_full_vocabulary_drafter_with_its_own_head(tmp_path):
+    """`vocab.draft_vocab_size: full`: no d2t/t2d ships, so SGLang keeps no hot-token map (the
+    one thing its draft worker checks before sampling drafts, eagle_worker_v2.py) and, as the
+    config names the draft vocabulary, loads our trained lm_head rather than the target's."""
+    out, report = exported(tmp_path, "LlamaForCausalLM", [2, 4, 6], full_vocab=True)
+    assert report["formats"]["sglang"]["full_vocab"] is True
+    result = sglang_load(tmp_path, out / "sglang", [1, 3, 5])
+    for row in result["params"]:
+        if row["param"] != "model.embed_tokens.weight":
+            assert row["status"] == "written" and row["value"] == "== checkpoint", row
+    assert "lm_head.weight" in {r["param"] for r in result["params"]}
+    assert result["hot_token_id"] is None and result["load_lm_head_from_target"] is False
+    assert result["ignored_checkpoint_keys"] == [] and "d2t" not in result["checkpoint_keys"]
 
 
 @pytest.mark.parametrize("internal,rule,valid", [

@@ -262,6 +262,32 @@ def test_finetune_from_a_trained_checkpoint(prepared, tmp_path):
     assert out.returncode == 2
 
 
+def test_full_vocabulary_trains_exports_and_finetunes_without_a_map(prepared, tmp_path):
+    """`vocab.draft_vocab_size=full`: stage 03 writes the identity, stage 04 trains the whole
+    head (its checkpoints carry no d2t/t2d), stage 05 exports every format without them, and a
+    fine-tune from that checkpoint reads its map as the identity."""
+    full = copy_run(prepared, tmp_path / "full")
+    over = ["vocab.draft_vocab_size=full", "train.max_steps=2",
+            "export.formats=[vllm,sglang,speculators]"]
+    run_script("03_build_vocab_map.py", full, *over, "--restart")
+    vocab = Stage(full, 3).manifest()["counts"]
+    assert vocab["draft_vocab_size"] == vocab["vocab_size"] and vocab["coverage"] == 1.0
+    run_script("04_train.py", full, *over)
+    step = find_latest(Stage(full, 4).dir)
+    weights = load_file(step / "model.safetensors")
+    assert not {"d2t", "t2d"} & set(weights)
+    assert weights["lm_head.weight"].shape[0] == vocab["vocab_size"]
+    run_script("05_fix_keys.py", full, *over)
+    for fmt in ("vllm", "sglang", "speculators"):
+        export = Stage(full, 5).dir / fmt
+        assert not {"d2t", "t2d"} & set(load_file(export / "model.safetensors"))
+        assert json.loads((export / "eagle3_export.json").read_text())["full_vocab"] is True
+    ft = copy_run(prepared, tmp_path / "ft-full")
+    run_script("03_build_vocab_map.py", ft, f"train.finetune_from={step}", "--restart")
+    assert Stage(ft, 3).manifest()["counts"]["coverage"] == 1.0
+    run_script("04_train.py", ft, "--finetune-from", str(step), "train.max_steps=1")
+
+
 def test_tensorboard_missing_fails_before_training(prepared, tmp_path):
     c = copy_run(prepared, tmp_path / "notb")
     shadow = tmp_path / "shadow" / "tensorboard"

@@ -1,6 +1,7 @@
 """Draft vocabulary: offsets not absolute ids, bool mask, counts over loss-masked tokens only."""
 
 import numpy as np
+import pytest
 import torch
 
 from eagle3.vocab import build_vocab_map, count_tokens, coverage, draft_to_target_ids
@@ -42,3 +43,19 @@ def test_padding_and_forced_end_of_turn():
 def test_draft_vocab_capped_at_verifier_vocab():
     d2t, t2d = build_vocab_map(np.ones(10, dtype=np.int64), 32)
     assert len(d2t) == 10 and torch.all(d2t == 0) and torch.all(t2d)
+
+
+def test_full_draft_vocabulary_is_the_identity():
+    """`vocab.draft_vocab_size: full` is the verifier's vocabulary, whatever was counted; any
+    other string is a one-line config error."""
+    from eagle3.config import ConfigError, VocabConfig
+
+    assert VocabConfig(draft_vocab_size="full").size_for(49152) == 49152
+    assert VocabConfig(draft_vocab_size=4096).size_for(49152) == 4096
+    assert VocabConfig(draft_vocab_size=65536).size_for(49152) == 49152
+    counts = np.zeros(50, dtype=np.int64)
+    counts[[3, 7]] = 5
+    d2t, t2d = build_vocab_map(counts, VocabConfig(draft_vocab_size="full").size_for(50))
+    assert torch.equal(d2t, torch.zeros(50, dtype=torch.long)) and bool(t2d.all())
+    with pytest.raises(ConfigError, match="a number of tokens or `full`, got 'ful'"):
+        VocabConfig(draft_vocab_size="ful")
