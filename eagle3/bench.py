@@ -41,8 +41,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from eagle3.config import (BenchEngineConfig, Config, ConfigError, Depth, ServerConfig,
-                           SourceConfig,
-                           check_sglang_engines, sglang_sampling_problem)
+                           SourceConfig, check_sglang_engines, sglang_sampling_problem)
 from eagle3.cpu import resolve_dtype
 from eagle3.engines import Server, http_get, root_cause, start_server
 from eagle3.runs import (Stage, StageError, atomic_write_json, atomic_write_text, clean_stale_tmp,

@@ -673,13 +673,19 @@ def sglang_engine_problem(cfg: Config, mla: bool) -> Optional[str]:
     return None
 
 
+def drafting_at_temperature(engine: str, draft_sample: str, full_vocab: bool) -> str:
+    """How `engine` drafts at T > 0 given `bench.engines[].draft_sample`: SGLang 0.5.23 samples
+    only a full-vocabulary head's drafts; its draft worker raises at start-up when rejection
+    sampling meets a reduced vocabulary (docs/engines.md, "Full vocabulary")."""
+    return "greedy" if engine == "sglang" and not full_vocab else draft_sample
+
+
 def sglang_sampling_problem(cfg: Config, full_vocab: bool) -> Optional[str]:
-    """Why the config's sglang engine cannot sample drafts from a drafter whose head is
-    (`full_vocab`) or is not the verifier's whole vocabulary, or None. SGLang 0.5.23's draft
-    worker raises at start-up when rejection sampling meets a reduced vocabulary
-    (docs/engines.md, "Full vocabulary")."""
+    """Why the config's sglang engine cannot draft as configured with a head that is
+    (`full_vocab`) or is not the verifier's whole vocabulary, or None."""
     for engine in cfg.bench.engines:
-        if engine.name == "sglang" and engine.draft_sample != "greedy" and not full_vocab:
+        if engine.name == "sglang" and drafting_at_temperature(
+                engine.name, engine.draft_sample, full_vocab) != engine.draft_sample:
             return ("draft_sample: probabilistic (--speculative-use-rejection-sampling) needs a "
                     "full draft vocabulary and this drafter's is reduced: set "
                     "vocab.draft_vocab_size=full (and retrain) or draft_sample=greedy")

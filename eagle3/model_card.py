@@ -118,16 +118,16 @@ def serve_commands(fmt: str, export_dir: Path, siblings: dict[str, Path], verifi
     Blackwell an MLA verifier's trtllm_mla would stop the drafter, and on NVIDIA GPUs flashinfer
     serves any Llama-layer drafter (docs/engines.md, "The drafter's attention backend")."""
     from eagle3.bench import engine_args
-    from eagle3.config import MLA_DRAFT_BACKEND_ARGS, BenchEngineConfig, Depth
+    from eagle3.config import (MLA_DRAFT_BACKEND_ARGS, BenchEngineConfig, Depth,
+                               drafting_at_temperature)
 
     out = {}
     dirs = {ENGINE_OF[f]: d for f, d in siblings.items() if f != "speculators"}
     dirs[ENGINE_OF[fmt]] = export_dir
     remote = ["--trust-remote-code"] if trust_remote_code else []
     for engine, d in sorted(dirs.items()):
-        sample = (draft_sample or {}).get(engine, "greedy")
-        if engine == "sglang" and not full_vocab:  # SGLang samples a full vocabulary only
-            sample = "greedy"
+        sample = drafting_at_temperature(engine, (draft_sample or {}).get(engine, "greedy"),
+                                         full_vocab)
         flags = engine_args(BenchEngineConfig(name=engine, draft_sample=sample,
                                               tp=(tp or {}).get(engine)),
                             Depth(depth, 1, depth + 1), d, 1, metrics=False)
