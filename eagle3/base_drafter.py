@@ -155,9 +155,30 @@ def _unsupported(cfg: dict[str, Any], layer: dict[str, Any]) -> list[str]:
             out.append(f"`{flag}` is true; our drafter has no biases")
     scaling = layer.get("rope_scaling") or layer.get("rope_parameters") or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind not in ("default", None):
-        out.append(f"rope scaling {kind!r}; our drafter uses plain RoPE")
+    mla_yarn = _is_mla(layer) and kind in ("yarn", "deepseek_yarn")  # DeepSeek YaRN: ours too
+    if kind not in ("default", None) and not mla_yarn:
+        out.append(f"rope scaling {kind!r}; our drafter uses plain RoPE (and DeepSeek YaRN in "
+                   f"an MLA layer)")
     return out
+
+
+def _is_mla(layer: dict[str, Any]) -> bool:
+    """An MLA draft layer (lightseek's `Eagle3DeepseekV2ForCausalLM`): its config has the
+    latent width, as DeepSeek-V3's does."""
+    return layer.get("kv_lora_rank") is not None
+
+
+def _mla_shape(layer: dict[str, Any]) -> dict[str, Any]:
+    """The MLA fields of our model config from a DeepSeek-style draft config."""
+    from eagle3.config import ConfigError, yarn_of
+    try:
+        scaling = yarn_of(layer)
+    except ConfigError:
+        scaling = None  # reported by `_unsupported`
+    return {"attention": "mla", "q_lora_rank": layer.get("q_lora_rank"),
+            **{k: int(layer.get(k) or 0) for k in ("kv_lora_rank", "qk_nope_head_dim",
+                                                   "qk_rope_head_dim", "v_head_dim")},
+            "rope_scaling": scaling}
 
 
 def load(path: str | Path) -> BaseDrafter:
@@ -204,7 +225,10 @@ def load(path: str | Path) -> BaseDrafter:
     if missing:
         where = "transformer_layer_config" if nested else "config.json"
         raise BaseDrafterError(path, [f"{where} lacks {', '.join(missing)}"])
-    shape = _shape(cfg, layer, weights, d2t, t2d, embed, aux)
+    try:
+        shape = _shape(cfg, layer, weights, d2t, t2d, embed, aux)
+    except ValueError as e:  # a config no drafter of ours can have
+        raise BaseDrafterError(path, [f"config.json: {e}"]) from None
     broken = non_finite_problem(tensors)
     if broken:
         raise BaseDrafterError(path, [broken])
@@ -252,7 +276,12 @@ def _shape(cfg: dict[str, Any], layer: dict[str, Any], weights: dict[str, Tensor
     fc = weights.get("fc.weight")
     num_aux = (fc.shape[1] // target_hidden if fc is not None and fc.dim() == 2
                else len(aux) if aux else 3)
+    mla = _mla_shape(layer) if _is_mla(layer) else {}
+    if mla:  # every head reads the one latent; the head width is the query/key one
+        layer = {**layer, "num_key_value_heads": heads,
+                 "head_dim": mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]}
     return DraftModelConfig(
+        **mla,
         hidden_size=hidden, target_hidden_size=target_hidden, num_aux=num_aux,
         intermediate_size=int(layer.get("intermediate_size",
                                         gate.shape[0] if gate is not None else 0)),
@@ -339,13 +368,18 @@ def finetune_draft_config(draft_cfg: DraftModelConfig, base: BaseDrafter,
     norm_before_residual (the user's draft section).
     """
     b = base.shape
+    mla = {k: getattr(b, k) for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                                      "qk_rope_head_dim", "v_head_dim", "rope_scaling")}
     return dataclasses.replace(
         draft_cfg, num_attention_heads=b.num_attention_heads,
         num_key_value_heads=b.num_key_value_heads, head_dim=b.head_dim,
         intermediate_size=intermediate_size or b.intermediate_size,
         rms_norm_eps=b.rms_norm_eps, rope_theta=b.rope_theta,
         max_position_embeddings=max(draft_cfg.max_position_embeddings,
-                                    b.max_position_embeddings))
+                                    b.max_position_embeddings),
+        # the MLA geometry and its rope scaling, when the attention is the base's (compared
+        # by check_base: the user's `draft.attention` names the layer to build)
+        **(mla if b.attention == draft_cfg.attention else {}))
 
 
 def _file_key(base: BaseDrafter, key: str) -> str:
@@ -366,6 +400,16 @@ def _config_problems(base: BaseDrafter, draft_cfg: DraftModelConfig,
         want, got = getattr(draft_cfg, name), getattr(base.shape, name)
         if want != got:
             problems.append(f"config: base has {name}={got}, our drafter {name}={want}")
+    if base.shape.attention != draft_cfg.attention:
+        problems.append(f"config: base has {base.shape.attention.upper()} attention, our "
+                        f"drafter {draft_cfg.attention.upper()}: set draft.attention="
+                        f"{base.shape.attention}")
+    elif base.shape.attention == "mla":
+        for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                     "v_head_dim", "rope_scaling"):
+            want, got = getattr(draft_cfg, name), getattr(base.shape, name)
+            if want != got:
+                problems.append(f"config: base has {name}={got}, our drafter {name}={want}")
     if base.shape.norm_before_residual != draft_cfg.norm_before_residual:
         problems.append(f"config: base was trained with norm_before_residual="
                         f"{base.shape.norm_before_residual}, our drafter has "

@@ -378,13 +378,45 @@ class DraftConfig:
     head_dim: Optional[int] = None
     """Width of one head; null takes the verifier's `head_dim`, else hidden / heads (Kimi's MLA
     config has none, which gives 112: FlashInfer serves only 64/128/256/512)."""
+    attention: Literal["mha", "mla"] = "mha"
+    """The draft layer's attention: `mha` (Llama, `LlamaForCausalLMEagle3`) or `mla`
+    (DeepSeek-V2 multi-head latent attention, `Eagle3DeepseekV2ForCausalLM`: the layer of the
+    best published Kimi-K2.5 drafter, lightseekorg/kimi-k2.5-eagle3-mla, MT-bench 2.94 at vLLM
+    k=3; SGLang shares the target's MLA attention backend with it). `mla` takes the verifier's
+    rope scaling (YaRN for Kimi) and serves in vLLM and SGLang, not speculators."""
+    q_lora_rank: Optional[int] = None
+    """MLA query down-projection rank; null takes the verifier's (SGLang needs one)."""
+    kv_lora_rank: Optional[int] = None
+    """MLA key/value latent width; null takes the verifier's."""
+    qk_nope_head_dim: Optional[int] = None
+    """MLA per-head query/key width without rotary embedding; null takes the verifier's."""
+    qk_rope_head_dim: Optional[int] = None
+    """MLA per-head rotary width; null takes the verifier's."""
+    v_head_dim: Optional[int] = None
+    """MLA per-head value width; null takes the verifier's."""
+
+    MLA_DIMS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                "v_head_dim")
 
     def __post_init__(self) -> None:
         _positive("draft.num_layers", self.num_layers)
         for name in ("intermediate_size", "num_attention_heads", "num_key_value_heads",
-                     "head_dim"):
+                     "head_dim", *self.MLA_DIMS):
             if getattr(self, name) is not None:
                 _positive(f"draft.{name}", getattr(self, name))
+        if self.attention not in ("mha", "mla"):
+            raise ConfigError(f"draft.attention={self.attention!r}: use mha or mla")
+        set_dims = [n for n in self.MLA_DIMS if getattr(self, n) is not None]
+        if self.attention == "mha" and set_dims:
+            raise ConfigError(f"draft.{set_dims[0]} is an MLA dimension but draft.attention is "
+                              f"mha: set draft.attention=mla or remove it")
+        if self.attention == "mla" and (self.head_dim or self.num_key_value_heads):
+            raise ConfigError("draft.head_dim / draft.num_key_value_heads are MHA settings; an "
+                              "MLA layer is shaped by draft.qk_nope_head_dim, qk_rope_head_dim, "
+                              "v_head_dim and kv_lora_rank")
+        if self.qk_rope_head_dim is not None and self.qk_rope_head_dim % 2:
+            raise ConfigError(f"draft.qk_rope_head_dim={self.qk_rope_head_dim} must be even "
+                              f"(rotary pairs)")
         if self.num_attention_heads and self.num_key_value_heads and \
                 self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(f"draft.num_attention_heads={self.num_attention_heads} must be a "
@@ -889,6 +921,12 @@ class VerifierInfo:
     """Resolved aux ids, HF `output_hidden_states` convention."""
     mla: bool = False
     """Multi-head latent attention (DeepSeek-V3, Kimi-K2.5: `kv_lora_rank` in the config)."""
+    mla_dims: Optional[dict[str, Optional[int]]] = None
+    """An MLA verifier's q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
+    v_head_dim (the defaults of an MLA draft layer)."""
+    rope_scaling: Optional[dict[str, Any]] = None
+    """An MLA verifier's YaRN rope scaling (`type: yarn`, factor, ...), as its config writes it
+    (`rope_scaling`, or a non-default `rope_parameters`)."""
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
@@ -1011,7 +1049,26 @@ def read_verifier_info(verifier: VerifierConfig) -> VerifierInfo:
                                                                           False))),
         aux_layer_ids=tuple(ids),
         mla=uses_mla(text),
+        mla_dims={k: text.get(k) for k in DraftConfig.MLA_DIMS} if uses_mla(text) else None,
+        rope_scaling=yarn_of(text) if uses_mla(text) else None,
     )
+
+
+def yarn_of(text: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """The YaRN rope scaling of a DeepSeek/Kimi text config, in `rope_scaling`'s form
+    (`type: yarn` and its parameters), from `rope_scaling` or transformers 5's
+    `rope_parameters`; None for plain RoPE."""
+    params = text.get("rope_scaling") or text.get("rope_parameters") or {}
+    kind = params.get("type", params.get("rope_type", "default")) if isinstance(params, dict) \
+        else "default"
+    if kind in ("default", None):
+        return None
+    if kind not in ("yarn", "deepseek_yarn"):
+        raise ConfigError(f"verifier: rope scaling {kind!r} is not implemented for an MLA draft "
+                          f"layer (YaRN is)")
+    keep = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+            "mscale_all_dim")
+    return {"type": "yarn", **{k: params[k] for k in keep if k in params}}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1036,6 +1093,12 @@ class Config:
     overrides: tuple[str, ...] = ()
     """The command line's `section.key=value` overrides, repeated in every command a message
     suggests (`rerun python 02_... CONFIG OVERRIDES --restart`)."""
+
+    def __post_init__(self) -> None:
+        if self.draft.attention == "mla" and "speculators" in self.export.formats:
+            raise ConfigError("export.formats: speculators 0.9 has no MLA draft layer (its "
+                              "Eagle3DraftModel is Llama attention) and draft.attention is mla: "
+                              "drop speculators (export.formats=[vllm,sglang])")
 
     @property
     def command_args(self) -> str:

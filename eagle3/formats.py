@@ -223,7 +223,10 @@ def sglang_written(internal: list[int], rule: SglangRule,
 
 
 def _llama_fields(draft: DraftModelConfig) -> dict[str, Any]:
-    """Plain Llama fields of the draft layer, readable by transformers 4 and 5."""
+    """Plain Llama fields of the draft layer, readable by transformers 4 and 5 (an MLA layer's:
+    `_deepseek_fields`)."""
+    if draft.attention == "mla":
+        return _deepseek_fields(draft)
     return {
         "model_type": "llama",
         "hidden_size": draft.hidden_size,
@@ -241,6 +244,42 @@ def _llama_fields(draft: DraftModelConfig) -> dict[str, Any]:
         "rope_parameters": {"rope_type": "default", "rope_theta": float(draft.rope_theta)},
         "attention_bias": False,
         "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "vocab_size": draft.vocab_size,
+    }
+
+
+MLA_ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"
+SPECULATORS_HAS_NO_MLA = ("speculators 0.9 has no MLA draft layer (its Eagle3DraftModel is "
+                          "Llama attention): drop speculators from export.formats")
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+              "v_head_dim")
+
+
+def _deepseek_fields(draft: DraftModelConfig) -> dict[str, Any]:
+    """The DeepSeek-V3 fields of an MLA draft layer, as vLLM's and SGLang's
+    `Eagle3DeepseekV2ForCausalLM` read them (docs/engines.md "MLA draft layer"): the MLA
+    dimensions, and the YaRN scaling both as `rope_scaling` (older readers) and in
+    `rope_parameters` (transformers 5, which vLLM and SGLang 0.5.23 read)."""
+    theta = float(draft.rope_theta)
+    rope = ({"rope_type": "default", "rope_theta": theta} if not draft.rope_scaling else
+            {**{k: v for k, v in draft.rope_scaling.items() if k != "type"},
+             "rope_type": "yarn", "rope_theta": theta})
+    return {
+        "model_type": "deepseek_v3",
+        "hidden_size": draft.hidden_size,
+        "intermediate_size": draft.intermediate_size,
+        "num_hidden_layers": draft.num_layers,
+        "num_attention_heads": draft.num_attention_heads,
+        "num_key_value_heads": draft.num_attention_heads,
+        **{k: getattr(draft, k) for k in MLA_FIELDS},
+        "hidden_act": "silu",
+        "rms_norm_eps": draft.rms_norm_eps,
+        "max_position_embeddings": draft.max_position_embeddings,
+        "rope_theta": theta,
+        "rope_scaling": dict(draft.rope_scaling) if draft.rope_scaling else None,
+        "rope_parameters": rope,
+        "attention_bias": False,
         "tie_word_embeddings": False,
         "vocab_size": draft.vocab_size,
     }
@@ -281,8 +320,14 @@ def _shape_problems(cfg: dict[str, Any], layer: dict[str, Any],
             "intermediate_size": (layer, draft.intermediate_size),
             "num_hidden_layers": (layer, draft.num_layers),
             "num_attention_heads": (layer, draft.num_attention_heads),
-            "num_key_value_heads": (layer, draft.num_key_value_heads),
-            "head_dim": (layer, draft.head_dim)}
+            "num_key_value_heads": (layer, draft.num_key_value_heads)}
+    if draft.attention == "mla":
+        want.update({k: (layer, getattr(draft, k)) for k in MLA_FIELDS})
+        if (layer.get("rope_scaling") or None) != draft.rope_scaling:
+            problems.append(f"config: rope_scaling {layer.get('rope_scaling')}, the drafter was "
+                            f"trained with {draft.rope_scaling}")
+    else:
+        want["head_dim"] = (layer, draft.head_dim)
     for name, (where, value) in want.items():
         if name not in where:
             problems.append(f"config: `{name}` missing (expected {value})")
@@ -333,11 +378,17 @@ class EngineFormat:
     accepted_layouts: tuple[Layout, ...]
     """Key layouts the engine loads (a hand-made directory in another one still validates)."""
     architecture: str
+    """The `architectures` entry of a Llama (MHA) draft layer."""
     ships_embedding: bool = False
     """No format ships `embed_tokens`: SGLang always replaces it with the verifier's, and vLLM
     shares the verifier's when the checkpoint has none, so either engine serves with exactly
     the embedding the drafter trained with (the verifier's, frozen); a shipped copy could only
     be a stale or foreign one (TorchSpec#38)."""
+
+    def architecture_of(self, draft: DraftModelConfig) -> str:
+        """The engine class that builds `draft`: an MLA layer is `Eagle3DeepseekV2ForCausalLM`
+        in vLLM and SGLang (docs/engines.md "MLA draft layer")."""
+        return MLA_ARCHITECTURE if draft.attention == "mla" else self.architecture
 
     def written_aux_ids(self, internal: list[int], ctx: ExportContext) -> list[int]:
         return list(internal)
@@ -360,9 +411,9 @@ class EngineFormat:
     def config_problems(self, cfg: dict[str, Any], draft: DraftModelConfig,
                         internal: list[int], ctx: ExportContext) -> list[str]:
         problems = []
-        if cfg.get("architectures") != [self.architecture]:
+        if cfg.get("architectures") != [self.architecture_of(draft)]:
             problems.append(f"config: `architectures` is {cfg.get('architectures')!r}, must be "
-                            f"{[self.architecture]}")
+                            f"{[self.architecture_of(draft)]}")
         ids, where = self.aux_ids_in(cfg)
         written = self.written_aux_ids(internal, ctx)
         if not ids:
@@ -388,7 +439,7 @@ class VllmFormat(EngineFormat):
     def config(self, draft: DraftModelConfig, internal: list[int],
                ctx: ExportContext) -> dict[str, Any]:
         ids = _check_aux(draft, internal)
-        return {"architectures": [self.architecture], **_llama_fields(draft),
+        return {"architectures": [self.architecture_of(draft)], **_llama_fields(draft),
                 **_eagle_fields(draft), "eagle_aux_hidden_state_layer_ids": ids,
                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids,
                                  "use_aux_hidden_state": True}}
@@ -440,7 +491,11 @@ class SglangFormat(EngineFormat):
             raise FormatError("SGLang has no norm_before_residual=true variant: train with "
                               "draft.norm_before_residual=false or drop sglang from "
                               "export.formats")
-        return {"architectures": [self.architecture], **_llama_fields(draft),
+        if draft.attention == "mla" and not draft.q_lora_rank:
+            raise FormatError("SGLang's MLA draft layer needs a query down-projection "
+                              "(q_lora_rank): train with draft.q_lora_rank set or drop sglang "
+                              "from export.formats")
+        return {"architectures": [self.architecture_of(draft)], **_llama_fields(draft),
                 **_eagle_fields(draft),
                 "eagle_config": {"eagle_aux_hidden_state_layer_ids":
                                  self.written_aux_ids(ids, ctx), "use_aux_hidden_state": True}}
@@ -469,6 +524,8 @@ class SpeculatorsFormat(EngineFormat):
     def config(self, draft: DraftModelConfig, internal: list[int],
                ctx: ExportContext) -> dict[str, Any]:
         ids = _check_aux(draft, internal)
+        if draft.attention == "mla":
+            raise FormatError(SPECULATORS_HAS_NO_MLA)
         return {
             "architectures": [self.architecture],
             "speculators_model_type": "eagle3",
@@ -524,8 +581,11 @@ def get_format(name: str) -> EngineFormat:
 
 def speculators_config(draft: DraftModelConfig, aux_layer_ids: list[int],
                        ctx: ExportContext) -> dict[str, Any]:
-    """config.json of a training checkpoint (`step-N/`): the speculators layout."""
-    return FORMATS["speculators"].config(draft, aux_layer_ids, ctx)
+    """config.json of a training checkpoint (`step-N/`): the speculators layout, or for an MLA
+    layer (which speculators does not have) vLLM's flat `Eagle3DeepseekV2ForCausalLM` one; the
+    keys are `layers.N.*` either way, and both read back as a base drafter."""
+    fmt = "vllm" if draft.attention == "mla" else "speculators"
+    return FORMATS[fmt].config(draft, aux_layer_ids, ctx)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -647,19 +707,27 @@ def parsed_config_problems(directory: Path, cfg: dict[str, Any], fmt: str,
     want = {"hidden_size": draft.hidden_size, "intermediate_size": draft.intermediate_size,
             "num_hidden_layers": draft.num_layers,
             "num_attention_heads": draft.num_attention_heads,
-            "num_key_value_heads": draft.num_key_value_heads, "head_dim": draft.head_dim,
+            "num_key_value_heads": draft.num_key_value_heads,
             "rms_norm_eps": draft.rms_norm_eps, "vocab_size": draft.vocab_size,
             "max_position_embeddings": draft.max_position_embeddings}
+    if draft.attention == "mla":
+        want.update({k: getattr(draft, k) for k in MLA_FIELDS})
+    else:
+        want["head_dim"] = draft.head_dim
     got = {k: getattr(parsed, k, None) for k in want}
     if fmt != "speculators":  # speculators keeps it beside the layer config, not in it
         want["draft_vocab_size"] = draft.draft_vocab_size
         got["draft_vocab_size"] = getattr(parsed, "draft_vocab_size", None)
     want["rope theta"], got["rope theta"] = float(draft.rope_theta), rope_theta
-    # our draft layer has plain RoPE: any scaling type would be applied by the engine alone
-    want["rope type"] = "default"
+    # plain RoPE, or an MLA layer's YaRN: any other scaling the engine would apply alone
+    want["rope type"] = "yarn" if draft.rope_scaling else "default"
     got["rope type"] = (rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else
                         (getattr(parsed, "rope_scaling", None) or {}).get("rope_type",
                                                                           "default"))
+    for k, v in (draft.rope_scaling or {}).items():
+        if k != "type":
+            want[f"rope {k}"] = v
+            got[f"rope {k}"] = rope.get(k) if isinstance(rope, dict) else None
     def same(a: Any, b: Any) -> bool:  # floats are written cleaned of float32 noise
         return a == b or (isinstance(a, float) and isinstance(b, float)
                           and math.isclose(a, b, rel_tol=1e-6))
@@ -726,6 +794,7 @@ def _summary(fmt: str, layout: str, tensors: dict[str, TensorLike], draft: Draft
         "vocab_size": draft.vocab_size,
         "draft_vocab_size": draft.draft_vocab_size,
         "full_vocab": draft.full_vocab,
+        "attention": draft.attention,
         "dtypes": sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()}),
         "shapes": {k: list(tensors[k].shape) for k in sorted(tensors)},
         "aux_layer_ids_internal": list(aux_layer_ids),

@@ -27,8 +27,12 @@ import torch.nn.functional as F
 from torch import nn
 
 
-ADDED_LATER = ("fc_norm", "norm_output")
-"""DraftModelConfig fields a checkpoint written before them lacks (and so was trained without)."""
+ADDED_LATER: dict[str, Any] = {
+    "fc_norm": False, "norm_output": False, "attention": "mha", "q_lora_rank": None,
+    "kv_lora_rank": 0, "qk_nope_head_dim": 0, "qk_rope_head_dim": 0, "v_head_dim": 0,
+    "rope_scaling": None}
+"""DraftModelConfig fields a checkpoint written before them lacks, with the value it was trained
+with."""
 
 
 @dataclass(frozen=True)
@@ -56,11 +60,54 @@ class DraftModelConfig:
     """EAGLE-3.1: an RMSNorm of its own on each aux state before `fc` (`fc_norm.<i>.weight`)."""
     norm_output: bool = False
     """EAGLE-3.1: the next step reads the post-norm hidden state (the one `lm_head` reads)."""
+    attention: str = "mha"
+    """`mha`: Llama attention (q/k/v_proj, `head_dim`). `mla`: DeepSeek-V2 multi-head latent
+    attention (`MLAttention`, the dimensions below), served as `Eagle3DeepseekV2ForCausalLM`
+    (docs/engines.md "MLA draft layer")."""
+    q_lora_rank: Optional[int] = None
+    """MLA: rank of the query down-projection (`q_a_proj`); None projects queries directly
+    (`q_proj`, which SGLang cannot serve)."""
+    kv_lora_rank: int = 0
+    """MLA: width of the compressed key/value latent (`kv_a_proj_with_mqa`)."""
+    qk_nope_head_dim: int = 0
+    """MLA: per-head query/key width without rotary embedding."""
+    qk_rope_head_dim: int = 0
+    """MLA: per-head query/key width with rotary embedding (one key part shared by all heads)."""
+    v_head_dim: int = 0
+    """MLA: per-head value width."""
+    rope_scaling: Optional[dict[str, Any]] = None
+    """MLA: DeepSeek YaRN (`{"type": "yarn", "factor", "original_max_position_embeddings",
+    "beta_fast", "beta_slow", "mscale", "mscale_all_dim"}`, the verifier's own for Kimi), as
+    vLLM's and SGLang's `deepseek_yarn` apply it; None: plain RoPE."""
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple "
                              f"of num_key_value_heads={self.num_key_value_heads}")
+        if self.attention not in ("mha", "mla"):
+            raise ValueError(f"attention={self.attention!r}: use mha or mla")
+        if self.attention == "mla":
+            dims = {"kv_lora_rank": self.kv_lora_rank, "qk_rope_head_dim": self.qk_rope_head_dim,
+                    "v_head_dim": self.v_head_dim}
+            bad = [k for k, v in dims.items() if not (isinstance(v, int) and v > 0)]
+            if bad or self.qk_nope_head_dim < 0 or self.qk_rope_head_dim % 2:
+                raise ValueError(f"an MLA layer needs positive kv_lora_rank, v_head_dim and an "
+                                 f"even qk_rope_head_dim, qk_nope_head_dim >= 0: got {dims}, "
+                                 f"qk_nope_head_dim={self.qk_nope_head_dim}")
+        if self.rope_scaling is not None:
+            if self.attention != "mla":
+                raise ValueError("rope_scaling is implemented for the MLA layer (DeepSeek YaRN) "
+                                 "only")
+            kind = self.rope_scaling.get("type", self.rope_scaling.get("rope_type"))
+            if kind != "yarn" or "factor" not in self.rope_scaling or \
+                    "original_max_position_embeddings" not in self.rope_scaling:
+                raise ValueError(f"rope_scaling {self.rope_scaling}: only YaRN with `factor` and "
+                                 f"`original_max_position_embeddings` is implemented")
+
+    @property
+    def rope_dim(self) -> int:
+        """Width the rotary embedding turns: the whole head, or MLA's rope part."""
+        return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
 
     @property
     def full_vocab(self) -> bool:
@@ -78,7 +125,7 @@ class DraftModelConfig:
         default of e.g. norm_before_residual would build another model)."""
         names = {f.name for f in dataclasses.fields(cls)}
         # fields added after checkpoints were written: absent means the drafter lacked them
-        d = {**{k: False for k in ADDED_LATER}, **d}
+        d = {**ADDED_LATER, **d}
         unknown, missing = set(d) - names, names - set(d)
         if unknown or missing:
             raise ValueError(f"draft config: unknown fields {sorted(unknown)}, missing "
@@ -124,20 +171,63 @@ class RMSNorm(nn.Module):
         return _RMSNormFunction.apply(x, self.weight, self.eps)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables `[..., T, head_dim]` for integer `positions` `[..., T]` (Llama layout)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
-                                             dtype=torch.float32) / head_dim))
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """DeepSeek YaRN's magnitude correction (vLLM's and SGLang's `yarn_get_mscale`)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_inv_freq(dim: int, theta: float, scaling: Optional[dict[str, Any]] = None,
+                  device: Optional[torch.device] = None) -> torch.Tensor:
+    """Rotary frequencies `[dim // 2]`; with YaRN `scaling`, DeepSeek's blend: frequencies
+    whose wavelength fits `original_max_position_embeddings` more than beta_fast times keep
+    theta's, those fitting fewer than beta_slow times are divided by `factor`, a linear ramp
+    in between (the bounds floored/ceiled, as vLLM's and SGLang's `deepseek_yarn`)."""
+    base = 1.0 / (theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
+    if not scaling:
+        return base
+    factor, orig = float(scaling["factor"]), float(scaling["original_max_position_embeddings"])
+
+    def dim_of(rotations: float) -> float:
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(dim_of(float(scaling.get("beta_fast", 32)))), 0)
+    high = min(math.ceil(dim_of(float(scaling.get("beta_slow", 1)))), dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(dim // 2, device=device, dtype=torch.float32) - low)
+            / (high - low)).clamp(0, 1)
+    return base / factor * ramp + base * (1 - ramp)
+
+
+def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float, dtype: torch.dtype,
+                 scaling: Optional[dict[str, Any]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables `[..., T, dim]` for integer `positions` `[..., T]` (Llama's half-split
+    layout). With YaRN `scaling` the tables carry mscale(factor, mscale) / mscale(factor,
+    mscale_all_dim), as the engines' DeepSeek rotary embedding does."""
+    inv_freq = rope_inv_freq(dim, theta, scaling, positions.device)
     freqs = positions.float()[..., None] * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = emb.cos(), emb.sin()
+    if scaling:
+        factor = float(scaling["factor"])
+        m = (yarn_mscale(factor, float(scaling.get("mscale", 1)))
+             / yarn_mscale(factor, float(scaling.get("mscale_all_dim", 0))))
+        cos, sin = cos * m, sin * m
+    return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
+
+
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                           ) -> torch.Tensor:
+    """DeepSeek's rotary embedding, which turns adjacent pairs (x0, x1), (x2, x3), ... (the
+    engines' `is_neox_style=False`). Returned with the pairs' members gathered into halves
+    (x0, x2, ..., x1, x3, ...), where Llama's half-split rotation does the same turn: the
+    permutation is the same for queries and keys, so every score q.k is the engines'."""
+    return apply_rope(x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2), cos, sin)
 
 
 class DocMask:
@@ -397,35 +487,30 @@ def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
     return TTTAttention.apply(q, k0, v0, kd, vd, scale, chunk, fused_kernel(q))
 
 
-class Attention(nn.Module):
-    """Llama attention that also attends to the same position's earlier TTT steps.
+class _DiagonalAttention(nn.Module):
+    """Attention that also attends to the same position's earlier TTT steps; subclasses make
+    the queries, keys and values (`qkv`) and own `o_proj`.
 
     Step k's query at position t sees the step-0 keys allowed by `mask` (causal, same document)
     plus the keys of steps 1..k at position t itself ("diagonal" keys). Scores are [L, L + k]
     per head and document (L its length): the (steps*T)^2 mask of a naive implementation is
     never built, and neither are the cross-document blocks of a packed row.
     """
+    n_heads: int
+    out_dim: int
+    """Per-head width of the values the output projection reads."""
+    scale: float
 
-    def __init__(self, cfg: DraftModelConfig, input_size: int):
-        super().__init__()
-        self.n_heads = cfg.num_attention_heads
-        self.n_kv = cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
-        self.q_proj = nn.Linear(input_size, self.n_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(input_size, self.n_kv * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(input_size, self.n_kv * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v `[B, heads, T, d]`, one width d for all three (zero-padded where needed)."""
+        raise NotImplementedError
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: DocMask | torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]]
                 ) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        rep = self.n_heads // self.n_kv
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        q, k, v = self.qkv(x, cos, sin)
         cache.append((k, v))
         spans = mask.spans() if isinstance(mask, DocMask) else None
         if spans is None:
@@ -435,7 +520,7 @@ class Attention(nn.Module):
             out = self._attend(q, cache, 0, T, None)
         else:
             out = torch.cat([self._attend(q, cache, s, e, None) for s, e in spans], dim=2)
-        out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
+        out = out[..., :self.out_dim].transpose(1, 2).reshape(B, T, self.n_heads * self.out_dim)
         return self.o_proj(out)
 
     def _attend(self, q: torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]],
@@ -445,7 +530,7 @@ class Attention(nn.Module):
         case runs `ttt_attention` (memory linear in L); a dense mask (rows that are not one
         run per document) forms the [L, L + k] scores."""
         L = end - start
-        scale = 1.0 / math.sqrt(self.head_dim)
+        scale = self.scale
         qs = q[:, :, start:end]
         k0, v0 = cache[0][0][:, :, start:end], cache[0][1][:, :, start:end]
         if mask is None:  # one causal document: memory linear in L
@@ -462,6 +547,88 @@ class Attention(nn.Module):
         for j, (_, vj) in enumerate(cache[1:]):
             out = out + probs[..., L + j, None] * vj[:, :, start:end]
         return out
+
+
+class Attention(_DiagonalAttention):
+    """Llama attention (grouped keys and values, half-split RoPE over the whole head)."""
+
+    def __init__(self, cfg: DraftModelConfig, input_size: int):
+        super().__init__()
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.head_dim = self.out_dim = cfg.head_dim
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.q_proj = nn.Linear(input_size, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(input_size, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(input_size, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        rep = self.n_heads // self.n_kv
+        return q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+
+
+class MLAttention(_DiagonalAttention):
+    """DeepSeek-V2/V3 multi-head latent attention, the layer of lightseek's Kimi drafters
+    (`Eagle3DeepseekV2ForCausalLM`; names and math as vLLM's and SGLang's
+    `DeepseekV2*Attention*`, docs/engines.md "MLA draft layer"):
+
+        q = q_b_proj(q_a_layernorm(q_a_proj(x)))            [heads, nope + rope]
+        latent, k_rope = kv_a_proj_with_mqa(x)              [kv_lora], [rope] (one for all heads)
+        k_nope, v = kv_b_proj(kv_a_layernorm(latent))       [heads, nope], [heads, v]
+        k = cat(k_nope, rope(k_rope)); q = cat(q_nope, rope(q_rope))
+
+    Trained in this expanded form (each head's key and value), the same TTT attention as the
+    Llama layer; the engines serve it from the latent. Queries, keys and values are zero-padded
+    to one width (max(nope + rope, v)), which changes no score and no output.
+    """
+
+    def __init__(self, cfg: DraftModelConfig, input_size: int):
+        super().__init__()
+        self.n_heads = cfg.num_attention_heads
+        self.nope, self.rope, self.out_dim = (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                                              cfg.v_head_dim)
+        self.kv_lora_rank = cfg.kv_lora_rank
+        qk = self.nope + self.rope
+        self.width = max(qk, self.out_dim)
+        self.scale = qk ** -0.5
+        if cfg.rope_scaling:  # YaRN sharpens the softmax by mscale(factor, mscale_all_dim)^2
+            self.scale *= yarn_mscale(float(cfg.rope_scaling["factor"]),
+                                      float(cfg.rope_scaling.get("mscale_all_dim", 0))) ** 2
+        if cfg.q_lora_rank:
+            self.q_a_proj = nn.Linear(input_size, cfg.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.n_heads * qk, bias=False)
+        else:
+            self.q_proj = nn.Linear(input_size, self.n_heads * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(input_size, cfg.kv_lora_rank + self.rope, bias=False)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, self.n_heads * (self.nope + self.out_dim),
+                                   bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.out_dim, cfg.hidden_size, bias=False)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        B, T, _ = x.shape
+        h = self.n_heads
+        q = (self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if hasattr(self, "q_a_proj")
+             else self.q_proj(x))
+        q_nope, q_rope = q.view(B, T, h, -1).transpose(1, 2).split([self.nope, self.rope], -1)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], -1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, T, h, -1).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.out_dim], -1)
+        q_rope = apply_rope_interleaved(q_rope, cos, sin)
+        k_rope = apply_rope_interleaved(k_rope.unsqueeze(1), cos, sin).expand(B, h, T, self.rope)
+        q, k = torch.cat([q_nope, q_rope], -1), torch.cat([k_nope, k_rope], -1)
+        pad_qk, pad_v = self.width - q.shape[-1], self.width - self.out_dim
+        return (F.pad(q, (0, pad_qk)) if pad_qk else q, F.pad(k, (0, pad_qk)) if pad_qk else k,
+                F.pad(v, (0, pad_v)) if pad_v else v)
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -504,7 +671,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
         if first:
             self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, 2 * H if first else H)
+        attention = MLAttention if cfg.attention == "mla" else Attention
+        self.self_attn = attention(cfg, 2 * H if first else H)
         self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
@@ -568,7 +736,8 @@ class Eagle3DraftModel(nn.Module):
         steps' keys; call with a fresh one at step 0.
         """
         embeds = self.embed_tokens(input_ids).to(h.dtype)
-        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
+        cos, sin = rope_cos_sin(positions, self.cfg.rope_dim, self.cfg.rope_theta, h.dtype,
+                                self.cfg.rope_scaling)
         cos, sin = cos[:, None], sin[:, None]
         for layer, layer_cache in zip(self.layers, cache):
             h = layer(h, embeds, cos, sin, mask, layer_cache)

@@ -32,7 +32,7 @@ import torch
 
 from eagle3 import base_drafter, dist
 from eagle3 import checkpoint as ckpt
-from eagle3.config import Config, VerifierInfo
+from eagle3.config import Config, ConfigError, VerifierInfo
 from eagle3.formats import ExportContext, speculators_config
 from eagle3.model import DraftModelConfig, Eagle3DraftModel
 from eagle3.runs import (Stage, StageError, atomic_write_json, atomic_write_text,
@@ -96,11 +96,12 @@ def draft_model_config(cfg: Config, vocab_size: int, draft_vocab_size: int,
     """The fresh drafter's shape: the `draft` section, else derived from the verifier (`info`,
     default `cfg.verifier_info`)."""
     info, d = info or cfg.verifier_info, cfg.draft
-    return DraftModelConfig(
+    heads = d.num_attention_heads or info.num_attention_heads
+    shape = dict(
         hidden_size=info.hidden_size, target_hidden_size=info.hidden_size,
         num_aux=len(info.aux_layer_ids),
         intermediate_size=d.intermediate_size or info.intermediate_size,
-        num_attention_heads=d.num_attention_heads or info.num_attention_heads,
+        num_attention_heads=heads,
         num_key_value_heads=d.num_key_value_heads or (
             info.num_key_value_heads if not d.num_attention_heads else d.num_attention_heads),
         head_dim=d.head_dim or info.head_dim,
@@ -109,6 +110,16 @@ def draft_model_config(cfg: Config, vocab_size: int, draft_vocab_size: int,
         vocab_size=vocab_size, draft_vocab_size=draft_vocab_size,
         norm_before_residual=d.norm_before_residual, fc_norm=d.fc_norm,
         norm_output=d.norm_output)
+    if d.attention == "mla":
+        dims = {k: getattr(d, k) or (info.mla_dims or {}).get(k) for k in d.MLA_DIMS}
+        unknown = [k for k, v in dims.items() if not v and k != "q_lora_rank"]
+        if unknown:
+            raise ConfigError(f"draft.attention=mla: set draft.{unknown[0]} (the verifier is not "
+                              f"MLA, so it gives no default for {', '.join(unknown)})")
+        # one latent per token: every head reads the same key/value source
+        shape.update(attention="mla", num_key_value_heads=heads, rope_scaling=info.rope_scaling,
+                     head_dim=dims["qk_nope_head_dim"] + dims["qk_rope_head_dim"], **dims)
+    return DraftModelConfig(**shape)
 
 
 def build_model(cfg: Config, d2t: torch.Tensor, t2d: torch.Tensor,
@@ -141,6 +152,9 @@ def init_from_verifier_layer(model: Eagle3DraftModel, verifier: Path, info: Veri
         raise StageError(f"train.init_layer=verifier needs a Llama-shaped verifier "
                          f"({', '.join(PLAIN_LAYER_ARCHITECTURES)}), not {info.architecture}: "
                          f"set train.init_layer=random")
+    if model.cfg.attention != "mha":
+        raise StageError("train.init_layer=verifier copies a Llama layer into a Llama (mha) "
+                         "draft layer; this drafter's is mla: set train.init_layer=random")
     layer, H, dl = info.aux_layer_ids[-1], model.cfg.hidden_size, model.layers[0]
     if model.cfg.target_hidden_size != H or layer >= info.num_hidden_layers:
         raise StageError(f"train.init_layer=verifier needs the drafter's hidden size to equal "

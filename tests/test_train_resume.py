@@ -288,6 +288,47 @@ def test_full_vocabulary_trains_exports_and_finetunes_without_a_map(prepared, tm
     run_script("04_train.py", ft, "--finetune-from", str(step), "train.max_steps=1")
 
 
+MLA = ["draft.attention=mla", "draft.q_lora_rank=16", "draft.kv_lora_rank=32",
+       "draft.qk_nope_head_dim=16", "draft.qk_rope_head_dim=8", "draft.v_head_dim=16"]
+
+
+def test_mla_draft_layer_trains_exports_and_finetunes(prepared, tmp_path):
+    """`draft.attention=mla` (dimensions given: the tiny verifier is Llama): stage 04 trains an
+    MLA layer and checkpoints it under vLLM's Eagle3DeepseekV2ForCausalLM config (speculators
+    has no MLA class), stage 05 exports vLLM's and SGLang's layouts and refuses speculators in
+    one line, and a fine-tune from the checkpoint reads it back as an MLA base."""
+    mla = copy_run(prepared, tmp_path / "mla")
+    over = [*MLA, "train.max_steps=2", "export.formats=[vllm,sglang]"]
+    run_script("04_train.py", mla, *over)
+    step = find_latest(Stage(mla, 4).dir)
+    config = json.loads((step / "config.json").read_text())
+    assert config["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]
+    assert config["kv_lora_rank"] == 32 and config["num_key_value_heads"] == config[
+        "num_attention_heads"]
+    weights = load_file(step / "model.safetensors")
+    assert "layers.0.self_attn.kv_b_proj.weight" in weights
+    assert not any(".q_proj." in k or ".k_proj." in k for k in weights)
+    assert all(r["loss"] == r["loss"] for r in metrics(mla))  # finite, logged
+    run_script("05_fix_keys.py", mla, *over)
+    for fmt in ("vllm", "sglang"):
+        record = json.loads((Stage(mla, 5).dir / fmt / "eagle3_export.json").read_text())
+        assert record["attention"] == "mla", record
+    out = run_script("05_fix_keys.py", mla, *over, "export.formats=[vllm,speculators]",
+                     check=False)
+    assert out.returncode == 2 and "speculators 0.9 has no MLA draft layer" in out.stderr
+    ft = copy_run(prepared, tmp_path / "ft-mla")
+    keep = [*MLA, "export.formats=[vllm,sglang]"]
+    run_script("03_build_vocab_map.py", ft, *keep, f"train.finetune_from={step}", "--restart")
+    out = run_script("04_train.py", ft, *MLA, "export.formats=[vllm,sglang]", "--finetune-from",
+                     str(step), "train.max_steps=1", check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    wrong = copy_run(prepared, tmp_path / "ft-mha")
+    run_script("03_build_vocab_map.py", wrong, f"train.finetune_from={step}", "--restart")
+    out = run_script("04_train.py", wrong, "--finetune-from", str(step), "train.max_steps=1",
+                     check=False)
+    assert out.returncode == 2 and "set draft.attention=mla" in out.stderr
+
+
 def test_tensorboard_missing_fails_before_training(prepared, tmp_path):
     c = copy_run(prepared, tmp_path / "notb")
     shadow = tmp_path / "shadow" / "tensorboard"

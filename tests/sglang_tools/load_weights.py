@@ -161,7 +161,15 @@ def build_and_load(sa, drafter_dir: str):
 
             def rec(param, loaded, *args, _wl=wl, _n=name, **kw):
                 shard = args[0] if args else kw.get("loaded_shard_id")
-                calls.append((current["key"], _n, tuple(loaded.shape), shard))
+                keys = [current["key"]]
+                if _n.endswith("fused_qkv_a_proj_with_mqa.weight"):
+                    # the MLA loader caches one half and fuses on the other's arrival: the call
+                    # consumes both checkpoint keys
+                    k = current["key"]
+                    half = "kv_a_proj_with_mqa" if "kv_a_proj_with_mqa" in k else "q_a_proj"
+                    keys = [k.replace(half, h) for h in ("q_a_proj", "kv_a_proj_with_mqa")]
+                for key in keys:
+                    calls.append((key, _n, tuple(loaded.shape), shard))
                 return _wl(param, loaded, *args, **kw)
             p.weight_loader = rec
 
@@ -196,6 +204,10 @@ def check_params(model, ckpt: dict):
         exp = None
         if ".qkv_proj." in short:
             parts = [ck(*(a.replace("qkv_proj", x) for a in alt)) for x in ("q_proj", "k_proj", "v_proj")]
+            exp = torch.cat(parts, 0) if all(x is not None for x in parts) else None
+        elif ".fused_qkv_a_proj_with_mqa." in short:  # the MLA layer (kimi_k25_eagle3.py)
+            parts = [ck(*(a.replace("fused_qkv_a_proj_with_mqa", x) for a in alt))
+                     for x in ("q_a_proj", "kv_a_proj_with_mqa")]
             exp = torch.cat(parts, 0) if all(x is not None for x in parts) else None
         elif ".gate_up_proj." in short:
             parts = [ck(*(a.replace("gate_up_proj", x) for a in alt)) for x in ("gate_proj", "up_proj")]
@@ -324,10 +336,21 @@ def main():
                                "equals_arange_plus_d2t": bool(torch.equal(hot, exp)),
                                "first5": hot[:5].tolist()}
     out["load_lm_head_from_target"] = getattr(model, "load_lm_head_from_target", None)
+    attn = getattr(getattr(model.model, "midlayer", None), "self_attn", None)
+    if hasattr(attn, "rotary_emb"):  # the MLA layer: SGLang's softmax scale and rope table
+        cache = attn.rotary_emb.cos_sin_cache
+        positions = [0, 1, 37, 1000, 3000, 8000]
+        out["mla"] = {"scaling": float(attn.scaling), "rotary_class": type(attn.rotary_emb).__name__,
+                      "neox_style": bool(getattr(attn.rotary_emb, "is_neox_style", True)),
+                      "positions": positions,
+                      "cos_sin_cache": cache[[p for p in positions if p < cache.shape[0]]].float().tolist()}
     # What the EAGLE worker does next (eagle_worker_v2.py:353-363): unless the draft must
     # load its lm_head from the target, it calls model.set_embed(target_embed)
     # (llama.py:910), which is a no-op when config.target_hidden_size != hidden_size.
     emb = model.model.embed_tokens.weight
+    # Stand-in: the MLA drafter's set_embed (kimi_k25_eagle3.py) ends with
+    # torch.cuda.empty_cache() and torch.cuda.synchronize(); on CPU there is nothing to wait for.
+    torch.cuda.empty_cache = torch.cuda.synchronize = lambda *a, **k: None
     fake_target_embed = torch.nn.Parameter(torch.zeros(emb.shape, dtype=emb.dtype), requires_grad=False)
     if out["load_lm_head_from_target"]:
         out["embed_after_set_embed"] = "load_lm_head_from_target=True: worker calls set_embed_and_head(target embed, target head)"
