@@ -48,8 +48,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--from", dest="src", required=True, help="the drafter directory to convert")
     ap.add_argument("--out", required=True, help="where DIR/<format>/ directories are written")
     ap.add_argument("--verifier", help="the verifier's directory: checks the drafter against it")
-    ap.add_argument("--formats", default=",".join(ALL_FORMATS),
-                    help="comma-separated: vllm, sglang, speculators (default: all)")
+    ap.add_argument("--formats",
+                    help="comma-separated: vllm, sglang, speculators (default: every format "
+                         "the drafter can take: all but speculators for an MLA drafter)")
     ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
                     help="cast float weights (default: as stored)")
     ap.add_argument("--source-sglang", choices=formats.SGLANG_VERSIONS,
@@ -166,10 +167,14 @@ def _problems(base: base_drafter.BaseDrafter, maps: tuple[torch.Tensor, torch.Te
 
 def run_convert(args: argparse.Namespace) -> dict[str, Any]:
     src, out = _paths(args.src, args.out)
-    fmts = [f.strip() for f in args.formats.split(",") if f.strip()]
+    base = base_drafter.load(src)
+    if args.formats is None:
+        fmts = [f for f in ALL_FORMATS
+                if not (f == "speculators" and base.shape.attention == "mla")]
+    else:
+        fmts = [f.strip() for f in args.formats.split(",") if f.strip()]
     for f in fmts:
         formats.get_format(f)
-    base = base_drafter.load(src)
     verifier, arch = _verifier_facts(args, _source_config(src))
     if arch is None and ("sglang" in fmts or "speculators" in fmts):
         raise StageError("the SGLang and speculators exports need the verifier (SGLang's aux-id "

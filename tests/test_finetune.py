@@ -446,6 +446,39 @@ def test_malicious_bin_is_one_line_refusal(tmp_path):
     assert "\n" not in msg
 
 
+KIMI_YARN = {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096,
+             "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+MLA_DRAFT = dataclasses.replace(DRAFT, attention="mla", num_key_value_heads=4, head_dim=12,
+                                q_lora_rank=16, kv_lora_rank=24, qk_nope_head_dim=8,
+                                qk_rope_head_dim=4, v_head_dim=8, draft_vocab_size=_V,
+                                rope_scaling=KIMI_YARN)
+
+
+@pytest.mark.parametrize("layout", ["lightseek", "sglang", "vllm"])
+def test_mla_base_reproduces_its_logits(tmp_path, layout):
+    """An MLA drafter in lightseekorg's published layout (and in our own exports) is read as
+    what it is: attention, ranks, head dims and YaRN from its config, a full vocabulary with the
+    identity map, and a fine-tune starts from exactly its logits."""
+    from test_convert import lightseek_mla_dir
+    ref = random_model(MLA_DRAFT)
+    with torch.no_grad():  # lightseek publishes bfloat16 weights
+        for p in ref.parameters():
+            p.copy_(p.bfloat16().float())
+    if layout == "lightseek":
+        base_dir = lightseek_mla_dir(tmp_path / "base", ref)
+    else:
+        base_dir = write_base(tmp_path, layout, ref)
+    base = load_base_drafter(base_dir)
+    assert base.shape == MLA_DRAFT, base.shape
+    d2t, t2d = load_base_vocab(base_dir)
+    check_base(base, MLA_DRAFT, ref.embed_tokens.weight, d2t, t2d)
+    model = finetuned(base_dir, MLA_DRAFT, ref.embed_tokens.weight)
+    for a, b in zip(logits_of(ref), logits_of(model)):
+        assert torch.equal(a, b)
+    assert any("draft.attention=mla" in p for p in problems(base_dir, dataclasses.replace(
+        DRAFT, draft_vocab_size=_V), d2t=d2t, t2d=t2d))
+
+
 @pytest.mark.parametrize("fmt", ["sglang", "speculators", "vllm"])
 def test_full_vocabulary_base_has_the_identity_map_and_reproduces_its_logits(tmp_path, fmt):
     """A full-vocabulary base ships no d2t/t2d (lightseek's Kimi drafters are of this kind):

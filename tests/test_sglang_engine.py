@@ -280,7 +280,8 @@ def fake_verifier(tmp_path: Path, arch: str, vocab: int = 1000, hidden: int = 64
 
 
 def exported(tmp_path: Path, arch: str, internal: list[int], *extra: str,
-             eagle31: bool = False, full_vocab: bool = False) -> tuple[Path, dict]:
+             eagle31: bool = False, full_vocab: bool = False,
+             mla: dict | None = None) -> tuple[Path, dict]:
     """A random drafter trained (say) on HF layers `internal` of a verifier of `arch`, written in
     the vLLM layout and converted by `05_fix_keys.py --from` (bf16, as served: SGLang loads a
     float32 config as float16 under `--dtype auto`)."""
@@ -296,9 +297,11 @@ def exported(tmp_path: Path, arch: str, internal: list[int], *extra: str,
     verifier = fake_verifier(tmp_path, arch, vocab)
     torch.manual_seed(0)
     import dataclasses
-    model = Eagle3DraftModel(dataclasses.replace(draft_config(vocab), fc_norm=eagle31,
-                                                 norm_output=eagle31,
-                                                 draft_vocab_size=vocab if full_vocab else 512))
+    cfg = dataclasses.replace(draft_config(vocab), fc_norm=eagle31, norm_output=eagle31,
+                              draft_vocab_size=vocab if full_vocab else 512)
+    if mla:  # MLA fields (attention="mla", ranks, head dims, rope_scaling)
+        cfg = dataclasses.replace(cfg, num_key_value_heads=cfg.num_attention_heads, **mla)
+    model = Eagle3DraftModel(cfg)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.2) if p.dim() > 1 else p.uniform_(0.5, 1.5)
@@ -367,6 +370,92 @@ def test_sglang_loads_a_full_vocabulary_drafter_with_its_own_head(tmp_path):
     assert "lm_head.weight" in {r["param"] for r in result["params"]}
     assert result["hot_token_id"] is None and result["load_lm_head_from_target"] is False
     assert result["ignored_checkpoint_keys"] == [] and "d2t" not in result["checkpoint_keys"]
+
+
+# Kimi-K2.5's attention, scaled down: q_lora, kv_lora, nope/rope/v head dims and its YaRN x64
+KIMI_LIKE_MLA = {"attention": "mla", "q_lora_rank": 24, "kv_lora_rank": 32,
+                 "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12,
+                 "head_dim": 24, "max_position_embeddings": 262144,
+                 "rope_scaling": {"type": "yarn", "factor": 64.0,
+                                  "original_max_position_embeddings": 4096, "beta_fast": 1.0,
+                                  "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}}
+
+
+@pytest.mark.parametrize("full_vocab", [False, True], ids=["reduced-vocab", "full-vocab"])
+def test_sglang_loads_an_mla_drafter_whole_with_our_scale_and_rope(tmp_path, full_vocab):
+    """`draft.attention: mla`: SGLang's own Eagle3DeepseekV2ForCausalLM (kimi_k25_eagle3.py)
+    fills every parameter from our export (q_a_proj and kv_a_proj_with_mqa fused), takes d2t as
+    its hot-token map, and computes the softmax scale and the YaRN rope table our training used
+    (the table to bf16 rounding: SGLang stores it in the serving dtype)."""
+    import torch
+
+    from eagle3.model import DraftModelConfig, MLAttention, rope_cos_sin
+    out, report = exported(tmp_path, "DeepseekV3ForCausalLM", [2, 4, 6], "--formats",
+                           "sglang,vllm", full_vocab=full_vocab, mla=KIMI_LIKE_MLA)
+    record = report["formats"]["sglang"]
+    config = json.loads((out / "sglang" / "config.json").read_text())
+    assert config["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]
+    result = sglang_load(tmp_path, out / "sglang", record["aux_layer_ids_written"])
+    assert result["model_class"].endswith("Eagle3DeepseekV2ForCausalLM"), result["model_class"]
+    for row in result["params"]:
+        if row["param"] != "model.embed_tokens.weight":
+            assert row["status"] == "written" and row["value"] == "== checkpoint", row
+    assert any(r["param"].endswith("fused_qkv_a_proj_with_mqa.weight") for r in result["params"])
+    if full_vocab:
+        assert result["hot_token_id"] is None and result["ignored_checkpoint_keys"] == []
+    else:
+        assert result["hot_token_id"]["equals_arange_plus_d2t"] is True
+        assert result["ignored_checkpoint_keys"] == ["d2t", "t2d"]
+    from test_convert import draft_config
+    import dataclasses
+    vocab = 1024 if full_vocab else 1000
+    cfg: DraftModelConfig = dataclasses.replace(draft_config(vocab), num_key_value_heads=4,
+                                                **KIMI_LIKE_MLA)
+    mla = result["mla"]
+    assert mla["rotary_class"] == "DeepseekScalingRotaryEmbedding" and not mla["neox_style"]
+    assert mla["scaling"] == pytest.approx(MLAttention(cfg, cfg.hidden_size).scale, rel=1e-12)
+    positions = torch.tensor(mla["positions"][:len(mla["cos_sin_cache"])])
+    cos, sin = rope_cos_sin(positions, cfg.rope_dim, cfg.rope_theta, torch.float32,
+                            cfg.rope_scaling)
+    half = cfg.rope_dim // 2  # SGLang's table row: cos then sin of each frequency
+    ours = torch.cat([cos[:, :half], sin[:, :half]], -1)
+    assert torch.allclose(torch.tensor(mla["cos_sin_cache"]), ours, atol=4e-3)
+
+
+def test_lightseek_mla_drafter_through_from_loads_whole_in_sglang(tmp_path):
+    """lightseekorg's MLA layout (midlayer.*, kimi_k2 config, full vocabulary, aux ids written
+    for SGLang's DeepSeek target) converted by `05_fix_keys.py --from`: SGLang's own loader
+    takes every parameter of the source and of our export, which captures the same layers."""
+    import dataclasses
+
+    import torch
+    from test_convert import convert_dir, draft_config, lightseek_mla_dir
+
+    from eagle3.model import Eagle3DraftModel
+    torch.manual_seed(3)
+    cfg = dataclasses.replace(draft_config(1024), num_key_value_heads=4, draft_vocab_size=1024,
+                              **KIMI_LIKE_MLA)
+    model = Eagle3DraftModel(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    src = lightseek_mla_dir(tmp_path / "lightseek", model, aux=[1, 3, 5])
+    verifier = fake_verifier(tmp_path, "DeepseekV3ForCausalLM", 1024)
+    report = convert_dir(src, tmp_path / "out", "--verifier", str(verifier), "--dtype",
+                         "bfloat16")
+    assert sorted(report["formats"]) == ["sglang", "vllm"]  # speculators has no MLA layer
+    record = report["formats"]["sglang"]
+    assert record["attention"] == "mla" and record["full_vocab"] is True
+    loaded = {}
+    for name, d, aux in [("source", src, [1, 3, 5]),
+                         ("export", tmp_path / "out" / "sglang", record["aux_layer_ids_written"])]:
+        loaded[name] = result = sglang_load(tmp_path, d, aux)
+        for row in result["params"]:
+            if row["param"] != "model.embed_tokens.weight":
+                assert row["status"] == "written" and row["value"] == "== checkpoint", (name, row)
+        assert result["hot_token_id"] is None and result["ignored_checkpoint_keys"] == []
+    assert loaded["source"]["aux"] == loaded["export"]["aux"]
+    assert loaded["source"]["mla"] == loaded["export"]["mla"]
 
 
 @pytest.mark.parametrize("internal,rule,valid", [
