@@ -118,12 +118,20 @@ def resolve_dtype(dtype: Optional[str]) -> Optional[str]:
 
 
 def mla_eagle3_problem(cfg: "Config") -> Optional[str]:
-    """Why vLLM-CPU cannot serve cfg's verifier with an EAGLE-3 drafter here, or None."""
-    if not cfg.verifier_info.mla or has_gpu() or features().amx:
+    """Why vLLM-CPU cannot serve cfg's verifier with cfg's EAGLE-3 drafter here, or None: MLA
+    attention (the verifier's, or the drafter's with `draft.attention: mla`) beside any other,
+    on a CPU without AMX (docs/engines.md "vLLM-CPU and MLA")."""
+    if has_gpu() or features().amx:
         return None
-    return ("vLLM-CPU without AMX cannot pair an MLA verifier with an EAGLE-3 drafter (its "
-            "reference MLA kernel needs KV blocks of 16, the drafter's attention multiples of "
-            "32: 'No common block size')")
+    if cfg.verifier_info.mla:
+        return ("vLLM-CPU without AMX cannot pair an MLA verifier with an EAGLE-3 drafter (its "
+                "reference MLA kernel needs KV blocks of 16, the drafter's attention multiples "
+                "of 32: 'No common block size')")
+    if cfg.draft.attention == "mla":
+        return ("vLLM-CPU without AMX cannot serve an MLA drafter beside this verifier (its "
+                "reference MLA kernel needs KV blocks of 16, the verifier's attention multiples "
+                "of 32: 'No common block size')")
+    return None
 
 
 def cpu_verdicts(cfg: "Config") -> list[tuple[str, Optional[bool], str]]:

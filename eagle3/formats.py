@@ -256,6 +256,16 @@ MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_d
               "v_head_dim")
 
 
+# The model_type of an MLA drafter's config: both engines read "kimi_k2" as DeepSeek-V3's config
+# class, as lightseekorg's published MLA drafters write it; "deepseek_v3" would make vLLM take
+# the drafter for DeepSeek's MTP module ("Eagle3DeepSeekMTPModel ... not supported":
+# docs/engines.md "MLA draft layer").
+MLA_MODEL_TYPE = "kimi_k2"
+# model_types transformers does not know and both engines register as a transformers class
+# (vLLM: transformers_utils/config.py, SGLang: utils/hf_transformers/common.py)
+ENGINE_CONFIG_ALIASES = {MLA_MODEL_TYPE: "DeepseekV3Config"}
+
+
 def _deepseek_fields(draft: DraftModelConfig) -> dict[str, Any]:
     """The DeepSeek-V3 fields of an MLA draft layer, as vLLM's and SGLang's
     `Eagle3DeepseekV2ForCausalLM` read them (docs/engines.md "MLA draft layer"): the MLA
@@ -266,7 +276,7 @@ def _deepseek_fields(draft: DraftModelConfig) -> dict[str, Any]:
             {**{k: v for k, v in draft.rope_scaling.items() if k != "type"},
              "rope_type": "yarn", "rope_theta": theta})
     return {
-        "model_type": "deepseek_v3",
+        "model_type": MLA_MODEL_TYPE,
         "hidden_size": draft.hidden_size,
         "intermediate_size": draft.intermediate_size,
         "num_hidden_layers": draft.num_layers,
@@ -695,6 +705,9 @@ def parsed_config_problems(directory: Path, cfg: dict[str, Any], fmt: str,
     try:
         if fmt == "speculators":
             parsed = transformers.LlamaConfig(**cfg.get("transformer_layer_config", {}))
+        elif cfg.get("model_type") in ENGINE_CONFIG_ALIASES:  # registered by the engines
+            alias = getattr(transformers, ENGINE_CONFIG_ALIASES[cfg["model_type"]])
+            parsed = alias.from_dict({k: v for k, v in cfg.items() if k != "model_type"})
         else:
             parsed = transformers.AutoConfig.from_pretrained(str(directory))
     except Exception as e:  # noqa: BLE001 - any refusal is the finding

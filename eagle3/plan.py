@@ -130,7 +130,10 @@ def activation_bytes(fit: dict[str, Any], shape: Any, steps: int, tokens: int) -
     """Peak bytes of one micro-batch of `tokens` tokens beyond the model states: the fitted
     transient (attention blocks of a bounded size, whatever the lengths) and per-token-and-step
     terms, the teacher's float32 draft-vocabulary logits and the micro-batch's float32 states
-    (both per token). Attention keeps no [L, L] tensor, so document lengths do not enter."""
+    (both per token). Attention keeps no [L, L] tensor, so document lengths do not enter. An MLA
+    layer's head_dim is qk_nope + qk_rope, the width its q/k/v are padded to for the fused
+    attention, so the attention term reads the same; its low-rank latents (about 4k values per
+    token at Kimi's shape, under 5% of the per-token activations) are left out."""
     c = fit["per_token_step"]
     per_token_step = (c["const"] + c["draft_vocab"] * shape.draft_vocab_size
                       + c["hidden"] * shape.hidden_size + c["intermediate"]
@@ -393,8 +396,9 @@ def _base_verdict(cfg: Config) -> Verdict:
         base = base_drafter.load(cfg.train.finetune_from)
         ours = draft_model_config(cfg, base.shape.vocab_size, base.shape.draft_vocab_size)
         diffs = [f"{k} {getattr(base.shape, k)} vs ours {getattr(ours, k)}" for k in
-                 ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                  "intermediate_size", "num_layers") if getattr(base.shape, k) != getattr(ours, k)]
+                 ("attention", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                  "head_dim", "intermediate_size", "num_layers", "q_lora_rank", "kv_lora_rank",
+                  "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim") if getattr(base.shape, k) != getattr(ours, k)]
     except (StageError, ConfigError) as e:
         return Verdict("base drafter shape", False, str(e)[:200])
     return Verdict("base drafter shape", not diffs, "; ".join(diffs) or "equal to ours")
