@@ -669,12 +669,16 @@ MLA_DRAFT_BACKEND_ARGS = (DRAFT_BACKEND_FLAG, "flashinfer")
 verifier gets (docs/engines.md, "The drafter's attention backend")."""
 
 
-def sglang_draft_backend_problem(extra_args: list[str],
-                                 mla_verifier: Optional[bool] = None) -> Optional[str]:
+def sglang_draft_backend_problem(extra_args: list[str], mla_verifier: Optional[bool] = None,
+                                 mla_drafter: bool = False) -> Optional[str]:
     """Why SGLang 0.5.23's EAGLE-3 draft worker would fail at start-up with these server args,
-    or None. Our drafter is a Llama layer (MHA); it runs on --speculative-draft-attention-backend,
-    else on the target's (prefill, decode) backends (docs/engines.md). `mla_verifier` None (not
-    known yet, e.g. at config load): only what holds for every verifier is checked."""
+    or None. A Llama-layer (MHA) drafter runs on --speculative-draft-attention-backend, else on
+    the target's (prefill, decode) backends (docs/engines.md). `mla_verifier` None (not known
+    yet, e.g. at config load): only what holds for every verifier is checked. An MLA drafter
+    (`draft.attention: mla`) is an MLA model to SGLang, which every backend here serves,
+    trtllm_mla included."""
+    if mla_drafter:
+        return None
     draft = _flag(extra_args, DRAFT_BACKEND_FLAG)
     if draft is not None:
         if draft in MLA_ONLY_BACKENDS:
@@ -701,7 +705,8 @@ def sglang_engine_problem(cfg: Config, mla: bool) -> Optional[str]:
     (`mla`) or is not MLA, or None: one rule for stage 06 and the plan."""
     for engine in cfg.bench.engines:
         if engine.name == "sglang":
-            return sglang_draft_backend_problem(list(engine.server.extra_args), mla)
+            return sglang_draft_backend_problem(list(engine.server.extra_args), mla,
+                                                mla_drafter=cfg.draft.attention == "mla")
     return None
 
 
@@ -781,11 +786,6 @@ class BenchEngineConfig:
                                            self.draft_sample)
             if self.name == "sglang" and problem:
                 raise ConfigError(f"{where}: {depth.label}: {problem}")
-        # What is wrong for every verifier is refused here; the MLA rule needs the verifier's
-        # config, which stage 06 has (check_sglang_engines).
-        problem = sglang_draft_backend_problem(list(self.server.extra_args))
-        if self.name == "sglang" and problem:
-            raise ConfigError(f"bench.engines[sglang].server.extra_args: {problem}")
         if self.name == "sglang" and self.draft_tp is not None:
             raise ConfigError("bench.engines[sglang].draft_tp: SGLang 0.5.23 runs the draft in "
                               "the target's tensor-parallel group; remove it")
@@ -1099,6 +1099,13 @@ class Config:
             raise ConfigError("export.formats: speculators 0.9 has no MLA draft layer (its "
                               "Eagle3DraftModel is Llama attention) and draft.attention is mla: "
                               "drop speculators (export.formats=[vllm,sglang])")
+        # What is wrong for every verifier is refused here; the MLA-verifier rule needs the
+        # verifier's config, which stage 06 has (check_sglang_engines).
+        for engine in self.bench.engines:
+            problem = sglang_draft_backend_problem(list(engine.server.extra_args),
+                                                   mla_drafter=self.draft.attention == "mla")
+            if engine.name == "sglang" and problem:
+                raise ConfigError(f"bench.engines[sglang].server.extra_args: {problem}")
 
     @property
     def command_args(self) -> str:

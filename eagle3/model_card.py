@@ -144,6 +144,10 @@ def serve_commands(fmt: str, export_dir: Path, siblings: dict[str, Path], verifi
     return out
 
 
+LAYER_WORDS = {"mha": "Llama (multi-head attention)",
+               "mla": "MLA (DeepSeek-V2 multi-head latent attention)"}
+
+
 def model_card(fmt: str, record: dict[str, Any], provenance: dict[str, Any], export_dir: Path,
                siblings: dict[str, Path]) -> str:
     verifier = provenance.get("verifier") or "<verifier path>"
@@ -164,6 +168,7 @@ def model_card(fmt: str, record: dict[str, Any], provenance: dict[str, Any], exp
         + (" (the full vocabulary: no d2t/t2d)" if draft_vocab == vocab else "")
         + (f", covering {provenance['vocab']['coverage']:.1%} of the training answers' tokens"
            if (provenance.get("vocab") or {}).get("coverage") is not None else "") + " |",
+        f"| draft layer | {LAYER_WORDS[record.get('attention', 'mha')]} |",
         f"| parameters | {record['num_parameters'] / 1e6:.1f}M ({', '.join(record['dtypes'])}; "
         f"no embedding: the engine uses the verifier's) |",
     ]
@@ -190,7 +195,8 @@ def model_card(fmt: str, record: dict[str, Any], provenance: dict[str, Any], exp
         lines.append("Not measured yet: run `06_deploy_and_bench.py`, then export again with "
                      "`05_fix_keys.py --from` this directory to carry the figures here.")
     lines += ["", "## Serve", ""]
-    mla = provenance.get("verifier_mla")
+    # an MLA drafter is an MLA model to SGLang: it runs on whatever backend the verifier gets
+    mla = False if record.get("attention") == "mla" else provenance.get("verifier_mla")
     commands = serve_commands(fmt, export_dir, siblings, verifier,
                               bool(provenance.get("trust_remote_code")),
                               provenance.get("draft_sample"), mla=mla,

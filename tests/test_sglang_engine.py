@@ -178,6 +178,7 @@ def kimi_drafter_config(tmp_path: Path, cfg) -> str:
     draft = draft_model_config(cfg, info.vocab_size, cfg.vocab.size_for(info.vocab_size), info)
     config = get_format("sglang").config(draft, list(info.aux_layer_ids),
                                          ExportContext(str(cfg.verifier_path), info.architecture))
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "kimi-drafter-config.json"
     path.write_text(json.dumps(config))
     return str(path)
@@ -211,6 +212,26 @@ def test_kimi_drafter_gets_an_attention_backend_it_can_run(tmp_path):
                               "class": "TRTLLMMLABackend"}, target
 
 
+def test_kimi_mla_drafter_shares_the_targets_mla_backend(tmp_path):
+    """configs/kimi-k2.5-mla.yaml: an MLA drafter (Eagle3DeepseekV2ForCausalLM, in SGLang's MLA
+    list) needs no backend of its own. Every depth of its sweep runs the drafter on the target's
+    trtllm_mla on a B200 (SGLang's own runner code creates it), drafting by rejection sampling
+    as its full vocabulary allows, and the plan agrees."""
+    from eagle3.config import load_config, sglang_engine_problem
+
+    cfg = load_config(REPO / "configs" / "kimi-k2.5-mla.yaml")
+    assert sglang_engine_problem(cfg, True) is None
+    drafter = kimi_drafter_config(tmp_path, cfg)
+    commands = stage6_commands(cfg)
+    assert all(SAMPLED in cmd for _, cmd in commands)
+    cases = [{"argv": cmd, "platform": "b200", "target_config": KIMI, "draft_config": drafter,
+              "backends": True} for _, cmd in commands]
+    for (depth, _), got in zip(commands, sglang_resolve(tmp_path, cases)):
+        assert "error" not in got, (depth.label, got)
+        mla = {"backend": "trtllm_mla", "mla_model": True, "class": "TRTLLMMLABackend"}
+        assert got["backends"]["draft"] == mla and got["backends"]["target"] == mla, got
+
+
 # (server extra args, target): the drafter's backend on a B200, around our rule.
 DRAFT_BACKEND_CASES = [
     ([], "kimi"), ([], "llama"),
@@ -231,23 +252,32 @@ DRAFT_BACKEND_CASES = [
 def test_our_draft_backend_rule_agrees_with_sglang(tmp_path):
     """eagle3.config.sglang_draft_backend_problem refuses exactly the server args with which
     SGLang's runner code cannot create the drafter's attention backend on a B200 (where an MLA
-    verifier's default is trtllm_mla)."""
+    verifier's default is trtllm_mla): for our Llama-layer drafter, and for an MLA drafter
+    (configs/kimi-k2.5-mla.yaml), which SGLang treats as an MLA model on every backend."""
     from eagle3.config import load_config, sglang_draft_backend_problem
 
-    kimi = kimi_drafter_config(tmp_path, load_config(REPO / "configs" / "kimi-k2.5.yaml"))
-    configs = {"kimi": (KIMI, kimi), "llama": ("llama", "eagle3")}
+    kimi = kimi_drafter_config(tmp_path / "mha", load_config(REPO / "configs" / "kimi-k2.5.yaml"))
+    kimi_mla = kimi_drafter_config(tmp_path / "mla",
+                                   load_config(REPO / "configs" / "kimi-k2.5-mla.yaml"))
+    assert "Eagle3DeepseekV2ForCausalLM" in Path(kimi_mla).read_text()
+    configs = {"kimi": (KIMI, kimi), "llama": ("llama", "eagle3"), "kimi-mla": (KIMI, kimi_mla)}
+    grid = DRAFT_BACKEND_CASES + [(extra, "kimi-mla") for extra, target in DRAFT_BACKEND_CASES
+                                  if target == "kimi"]
     cases = [{"argv": ["--model-path", "/m", "--speculative-algorithm", "EAGLE3",
                        "--speculative-draft-model-path", "/d", "--speculative-num-steps", "3",
                        "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4",
                        *extra],
               "platform": "b200", "target_config": configs[target][0],
               "draft_config": configs[target][1], "backends": True}
-             for extra, target in DRAFT_BACKEND_CASES]
-    for (extra, target), got in zip(DRAFT_BACKEND_CASES, sglang_resolve(tmp_path, cases)):
+             for extra, target in grid]
+    for (extra, target), got in zip(grid, sglang_resolve(tmp_path, cases)):
         assert "error" not in got, (extra, target, got)
-        ours = sglang_draft_backend_problem(extra, mla_verifier=target == "kimi")
+        ours = sglang_draft_backend_problem(extra, mla_verifier=target != "llama",
+                                            mla_drafter=target == "kimi-mla")
         runs = "class" in got["backends"]["draft"]
         assert (ours is None) == runs, (extra, target, ours, got["backends"])
+        if target == "kimi-mla":
+            assert got["backends"]["draft"]["mla_model"] is True
 
 
 # ---------------------------------------------------------------------------------------------
