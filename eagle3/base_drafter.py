@@ -26,7 +26,7 @@ import torch
 from eagle3.formats import (COMPILE_PREFIX, FORMATS, FormatError, detect_layout,
                             expected_tensors, rename_key, tensor_problems, to_layout,
                             vocab_map_problems)
-from eagle3.model import DraftModelConfig
+from eagle3.model import YARN_KEYS, DraftModelConfig
 from eagle3.runs import StageError
 from eagle3.weights_io import (LazyTensor, TensorLike, WeightFilesError, all_finite,
                                load as load_tensor, max_abs_difference, open_weights)
@@ -155,10 +155,14 @@ def _unsupported(cfg: dict[str, Any], layer: dict[str, Any]) -> list[str]:
             out.append(f"`{flag}` is true; our drafter has no biases")
     scaling = layer.get("rope_scaling") or layer.get("rope_parameters") or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
-    mla_yarn = _is_mla(layer) and kind in ("yarn", "deepseek_yarn")  # DeepSeek YaRN: ours too
-    if kind not in ("default", None) and not mla_yarn:
-        out.append(f"rope scaling {kind!r}; our drafter uses plain RoPE (and DeepSeek YaRN in "
-                   f"an MLA layer)")
+    yarn = kind == "yarn" or (_is_mla(layer) and kind == "deepseek_yarn")
+    if kind not in ("default", None) and not yarn:
+        out.append(f"rope scaling {kind!r}; our drafter uses plain RoPE or YaRN")
+    elif yarn and not _is_mla(layer):  # the keys `yarn_of` would not carry over
+        ignored = sorted(set(scaling) - set(YARN_KEYS) - {"rope_theta"})
+        if ignored:
+            out.append(f"rope scaling yarn with {ignored}, which our Llama layer's YaRN does "
+                       f"not implement")
     return out
 
 
@@ -168,13 +172,19 @@ def _is_mla(layer: dict[str, Any]) -> bool:
     return layer.get("kv_lora_rank") is not None
 
 
-def _mla_shape(layer: dict[str, Any]) -> dict[str, Any]:
-    """The MLA fields of our model config from a DeepSeek-style draft config."""
+def _yarn(layer: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """The layer's YaRN rope scaling in `rope_scaling`'s form, or None (any other scaling is
+    reported by `_unsupported`)."""
     from eagle3.config import ConfigError, yarn_of
     try:
-        scaling = yarn_of(layer)
+        return yarn_of(layer)
     except ConfigError:
-        scaling = None  # reported by `_unsupported`
+        return None
+
+
+def _mla_shape(layer: dict[str, Any]) -> dict[str, Any]:
+    """The MLA fields of our model config from a DeepSeek-style draft config."""
+    scaling = _yarn(layer)
     return {"attention": "mla", "q_lora_rank": layer.get("q_lora_rank"),
             **{k: int(layer.get(k) or 0) for k in ("kv_lora_rank", "qk_nope_head_dim",
                                                    "qk_rope_head_dim", "v_head_dim")},
@@ -276,8 +286,8 @@ def _shape(cfg: dict[str, Any], layer: dict[str, Any], weights: dict[str, Tensor
     fc = weights.get("fc.weight")
     num_aux = (fc.shape[1] // target_hidden if fc is not None and fc.dim() == 2
                else len(aux) if aux else 3)
-    mla = _mla_shape(layer) if _is_mla(layer) else {}
-    if mla:  # every head reads the one latent; the head width is the query/key one
+    mla = _mla_shape(layer) if _is_mla(layer) else {"rope_scaling": _yarn(layer)}
+    if _is_mla(layer):  # every head reads the one latent; the head width is the query/key one
         layer = {**layer, "num_key_value_heads": heads,
                  "head_dim": mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]}
     return DraftModelConfig(

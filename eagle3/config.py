@@ -1055,7 +1055,7 @@ def read_verifier_info(verifier: VerifierConfig) -> VerifierInfo:
 
 
 def yarn_of(text: dict[str, Any]) -> Optional[dict[str, Any]]:
-    """The YaRN rope scaling of a DeepSeek/Kimi text config, in `rope_scaling`'s form
+    """The YaRN rope scaling of a config (DeepSeek/Kimi text, a drafter's), in `rope_scaling`'s form
     (`type: yarn` and its parameters), from `rope_scaling` or transformers 5's
     `rope_parameters`; None for plain RoPE."""
     params = text.get("rope_scaling") or text.get("rope_parameters") or {}
@@ -1064,8 +1064,8 @@ def yarn_of(text: dict[str, Any]) -> Optional[dict[str, Any]]:
     if kind in ("default", None):
         return None
     if kind not in ("yarn", "deepseek_yarn"):
-        raise ConfigError(f"verifier: rope scaling {kind!r} is not implemented for an MLA draft "
-                          f"layer (YaRN is)")
+        raise ConfigError(f"rope scaling {kind!r} is not implemented for a draft layer (YaRN "
+                          f"is)")
     keep = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
             "mscale_all_dim")
     return {"type": "yarn", **{k: params[k] for k in keep if k in params}}

@@ -222,6 +222,19 @@ def sglang_written(internal: list[int], rule: SglangRule,
 # Config fields shared by the formats
 
 
+def _rope_fields(draft: DraftModelConfig) -> dict[str, Any]:
+    """The rope base and scaling, as `rope_theta` / `rope_scaling` (transformers 4, older engine
+    code) and in `rope_parameters` (transformers 5, which vLLM and SGLang 0.5.23 read first):
+    the same values in both."""
+    theta = float(draft.rope_theta)
+    if not draft.rope_scaling:
+        return {"rope_theta": theta,
+                "rope_parameters": {"rope_type": "default", "rope_theta": theta}}
+    return {"rope_theta": theta, "rope_scaling": dict(draft.rope_scaling),
+            "rope_parameters": {**{k: v for k, v in draft.rope_scaling.items() if k != "type"},
+                                "rope_type": "yarn", "rope_theta": theta}}
+
+
 def _llama_fields(draft: DraftModelConfig) -> dict[str, Any]:
     """Plain Llama fields of the draft layer, readable by transformers 4 and 5 (an MLA layer's:
     `_deepseek_fields`)."""
@@ -240,8 +253,7 @@ def _llama_fields(draft: DraftModelConfig) -> dict[str, Any]:
         "max_position_embeddings": draft.max_position_embeddings,
         # transformers 5 reads `rope_parameters` (and folds a top-level rope_theta into it);
         # transformers 4 and older engine code read `rope_theta`. Write both, same value.
-        "rope_theta": float(draft.rope_theta),
-        "rope_parameters": {"rope_type": "default", "rope_theta": float(draft.rope_theta)},
+        **_rope_fields(draft),
         "attention_bias": False,
         "mlp_bias": False,
         "tie_word_embeddings": False,
@@ -271,10 +283,6 @@ def _deepseek_fields(draft: DraftModelConfig) -> dict[str, Any]:
     `Eagle3DeepseekV2ForCausalLM` read them (docs/engines.md "MLA draft layer"): the MLA
     dimensions, and the YaRN scaling both as `rope_scaling` (older readers) and in
     `rope_parameters` (transformers 5, which vLLM and SGLang 0.5.23 read)."""
-    theta = float(draft.rope_theta)
-    rope = ({"rope_type": "default", "rope_theta": theta} if not draft.rope_scaling else
-            {**{k: v for k, v in draft.rope_scaling.items() if k != "type"},
-             "rope_type": "yarn", "rope_theta": theta})
     return {
         "model_type": MLA_MODEL_TYPE,
         "hidden_size": draft.hidden_size,
@@ -286,9 +294,7 @@ def _deepseek_fields(draft: DraftModelConfig) -> dict[str, Any]:
         "hidden_act": "silu",
         "rms_norm_eps": draft.rms_norm_eps,
         "max_position_embeddings": draft.max_position_embeddings,
-        "rope_theta": theta,
-        "rope_scaling": dict(draft.rope_scaling) if draft.rope_scaling else None,
-        "rope_parameters": rope,
+        **_rope_fields(draft),
         "attention_bias": False,
         "tie_word_embeddings": False,
         "vocab_size": draft.vocab_size,
@@ -333,11 +339,11 @@ def _shape_problems(cfg: dict[str, Any], layer: dict[str, Any],
             "num_key_value_heads": (layer, draft.num_key_value_heads)}
     if draft.attention == "mla":
         want.update({k: (layer, getattr(draft, k)) for k in MLA_FIELDS})
-        if (layer.get("rope_scaling") or None) != draft.rope_scaling:
-            problems.append(f"config: rope_scaling {layer.get('rope_scaling')}, the drafter was "
-                            f"trained with {draft.rope_scaling}")
     else:
         want["head_dim"] = (layer, draft.head_dim)
+    if (layer.get("rope_scaling") or None) != draft.rope_scaling:
+        problems.append(f"config: rope_scaling {layer.get('rope_scaling')}, the drafter was "
+                        f"trained with {draft.rope_scaling}")
     for name, (where, value) in want.items():
         if name not in where:
             problems.append(f"config: `{name}` missing (expected {value})")

@@ -76,9 +76,11 @@ class DraftModelConfig:
     v_head_dim: int = 0
     """MLA: per-head value width."""
     rope_scaling: Optional[dict[str, Any]] = None
-    """MLA: DeepSeek YaRN (`{"type": "yarn", "factor", "original_max_position_embeddings",
-    "beta_fast", "beta_slow", "mscale", "mscale_all_dim"}`, the verifier's own for Kimi), as
-    vLLM's and SGLang's `deepseek_yarn` apply it; None: plain RoPE."""
+    """YaRN (`{"type": "yarn", "factor", "original_max_position_embeddings", "beta_fast",
+    "beta_slow", "mscale", "mscale_all_dim"}`); None: plain RoPE. MLA: DeepSeek's, as vLLM's and
+    SGLang's `deepseek_yarn` apply it (the verifier's own for Kimi). MHA: the engines' Llama
+    YaRN (a base's, e.g. lightseekorg's kimi-k2.5-eagle3), which turns the same frequencies
+    with the same magnitude and leaves the softmax scale alone (docs/engines.md "YaRN")."""
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -95,14 +97,9 @@ class DraftModelConfig:
                                  f"even qk_rope_head_dim, qk_nope_head_dim >= 0: got {dims}, "
                                  f"qk_nope_head_dim={self.qk_nope_head_dim}")
         if self.rope_scaling is not None:
-            if self.attention != "mla":
-                raise ValueError("rope_scaling is implemented for the MLA layer (DeepSeek YaRN) "
-                                 "only")
-            kind = self.rope_scaling.get("type", self.rope_scaling.get("rope_type"))
-            if kind != "yarn" or "factor" not in self.rope_scaling or \
-                    "original_max_position_embeddings" not in self.rope_scaling:
-                raise ValueError(f"rope_scaling {self.rope_scaling}: only YaRN with `factor` and "
-                                 f"`original_max_position_embeddings` is implemented")
+            problem = yarn_problem(self.rope_scaling, self.attention)
+            if problem:
+                raise ValueError(f"rope_scaling {self.rope_scaling}: {problem}")
 
     @property
     def rope_dim(self) -> int:
@@ -171,6 +168,30 @@ class RMSNorm(nn.Module):
         return _RMSNormFunction.apply(x, self.weight, self.eps)
 
 
+YARN_KEYS = ("type", "rope_type", "factor", "original_max_position_embeddings", "beta_fast",
+             "beta_slow", "mscale", "mscale_all_dim")
+
+
+def yarn_problem(scaling: dict[str, Any], attention: str) -> Optional[str]:
+    """Why `scaling` is not a YaRN our layer computes as the engines do, or None. The Llama
+    layer's YaRN magnitude is mscale(factor, mscale) / mscale(factor, mscale_all_dim) in vLLM
+    only when both are set and non-zero, in SGLang when both are present, else mscale(factor):
+    they and we agree when both are set and non-zero or both absent."""
+    kind = scaling.get("type", scaling.get("rope_type"))
+    if kind != "yarn" or "factor" not in scaling or \
+            "original_max_position_embeddings" not in scaling:
+        return "only YaRN with `factor` and `original_max_position_embeddings` is implemented"
+    if attention == "mha":
+        extra = sorted(set(scaling) - set(YARN_KEYS))
+        if extra:
+            return f"{extra} not implemented in the Llama layer's YaRN"
+        given = [k for k in ("mscale", "mscale_all_dim") if k in scaling]
+        if len(given) == 1 or any(not scaling[k] for k in given):
+            return ("a Llama layer's YaRN needs mscale and mscale_all_dim both non-zero or both "
+                    "absent (vLLM and SGLang differ otherwise)")
+    return None
+
+
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     """DeepSeek YaRN's magnitude correction (vLLM's and SGLang's `yarn_get_mscale`)."""
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
@@ -202,7 +223,8 @@ def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float, dtype: torch.d
                  scaling: Optional[dict[str, Any]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables `[..., T, dim]` for integer `positions` `[..., T]` (Llama's half-split
     layout). With YaRN `scaling` the tables carry mscale(factor, mscale) / mscale(factor,
-    mscale_all_dim), as the engines' DeepSeek rotary embedding does."""
+    mscale_all_dim), as the engines' DeepSeek rotary embedding does and, for the scalings
+    `yarn_problem` accepts, their Llama one."""
     inv_freq = rope_inv_freq(dim, theta, scaling, positions.device)
     freqs = positions.float()[..., None] * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)

@@ -395,10 +395,11 @@ def _base_verdict(cfg: Config) -> Verdict:
     try:
         base = base_drafter.load(cfg.train.finetune_from)
         ours = draft_model_config(cfg, base.shape.vocab_size, base.shape.draft_vocab_size)
-        diffs = [f"{k} {getattr(base.shape, k)} vs ours {getattr(ours, k)}" for k in
-                 ("attention", "hidden_size", "num_attention_heads", "num_key_value_heads",
+        fields = ("attention", "hidden_size", "num_attention_heads", "num_key_value_heads",
                   "head_dim", "intermediate_size", "num_layers", "q_lora_rank", "kv_lora_rank",
-                  "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim") if getattr(base.shape, k) != getattr(ours, k)]
+                  "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        diffs = [f"{k} {getattr(base.shape, k)} vs ours {getattr(ours, k)}" for k in fields
+                 if getattr(base.shape, k) != getattr(ours, k)]
     except (StageError, ConfigError) as e:
         return Verdict("base drafter shape", False, str(e)[:200])
     return Verdict("base drafter shape", not diffs, "; ".join(diffs) or "equal to ours")

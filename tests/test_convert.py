@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -51,8 +52,9 @@ def drafter_for(verifier: Path, seed: int = 0, heads: int = 4, kv_heads: int = 2
 
 
 def aq_medai_dir(out: Path, model: Eagle3DraftModel, aux=_AUX, embed: bool = True,
-                 drop=()) -> Path:
-    """SGLang/AQ-MedAI layout: midlayer.* keys, flat config, aux ids in eagle_config."""
+                 drop=(), **config: Any) -> Path:
+    """SGLang/AQ-MedAI layout: midlayer.* keys, flat config, aux ids in eagle_config; `config`
+    adds fields (lightseekorg's Llama drafter: its YaRN `rope_scaling`)."""
     state = {k: v for k, v in model.state_dict().items() if embed or k != "embed_tokens.weight"}
     tensors = {formats.rename_key(k, "speculators", "sglang"): v.contiguous()
                for k, v in state.items() if k not in drop}
@@ -67,7 +69,7 @@ def aq_medai_dir(out: Path, model: Eagle3DraftModel, aux=_AUX, embed: bool = Tru
         "num_hidden_layers": 1, "rms_norm_eps": d.rms_norm_eps, "rope_theta": d.rope_theta,
         "max_position_embeddings": d.max_position_embeddings, "vocab_size": d.vocab_size,
         "draft_vocab_size": d.draft_vocab_size, "tie_word_embeddings": False,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux}}))
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux}, **config}))
     return out
 
 

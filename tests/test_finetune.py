@@ -482,6 +482,30 @@ def test_mla_base_reproduces_its_logits(tmp_path, layout, eagle31):
         DRAFT, draft_vocab_size=_V), d2t=d2t, t2d=t2d))
 
 
+@pytest.mark.parametrize("layout", ["lightseek", "speculators", "vllm"])
+def test_yarn_llama_base_reproduces_its_logits(tmp_path, layout):
+    """A Llama-layer drafter with Kimi's YaRN and a full vocabulary (lightseekorg's
+    kimi-k2.5-eagle3, in SGLang's `midlayer.*` layout; and our own exports of one) keeps its
+    rope scaling: a fine-tune starts from exactly its logits, and plain RoPE would not."""
+    from test_convert import aq_medai_dir
+    cfg = dataclasses.replace(DRAFT, draft_vocab_size=_V, rope_scaling=KIMI_YARN,
+                              max_position_embeddings=262144)
+    ref = random_model(cfg)
+    if layout == "lightseek":
+        base_dir = aq_medai_dir(tmp_path / "base", ref, aux=_AUX, embed=False,
+                                rope_scaling=KIMI_YARN)
+    else:
+        base_dir = write_base(tmp_path, layout, ref)
+    base = load_base_drafter(base_dir)
+    assert base.shape == cfg, base.shape
+    model = finetuned(base_dir, cfg, ref.embed_tokens.weight)
+    for a, b in zip(logits_of(ref), logits_of(model)):
+        assert torch.equal(a, b)
+    plain = Eagle3DraftModel(dataclasses.replace(cfg, rope_scaling=None))
+    plain.load_state_dict(model.state_dict())
+    assert not torch.equal(logits_of(plain)[1], logits_of(ref)[1])
+
+
 @pytest.mark.parametrize("fmt", ["sglang", "speculators", "vllm"])
 def test_full_vocabulary_base_has_the_identity_map_and_reproduces_its_logits(tmp_path, fmt):
     """A full-vocabulary base ships no d2t/t2d (lightseek's Kimi drafters are of this kind):

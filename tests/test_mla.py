@@ -117,3 +117,64 @@ def test_mla_drafter_keys_are_the_engines_names():
         "kv_a_layernorm", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_a_layernorm",
         "q_a_proj", "q_b_proj")]
     assert tuple(model.layers[0].self_attn.q_a_proj.weight.shape) == (24, 32)  # 2H input
+
+
+# ---------------------------------------------------------------------------------------------
+# YaRN on the Llama layer (a base such as lightseekorg's kimi-k2.5-eagle3)
+
+
+@pytest.mark.parametrize("scaling", [
+    {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096,
+     "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},  # Kimi's
+    {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048},   # plain YaRN
+], ids=["kimi", "plain"])
+def test_llama_layer_yarn_equals_transformers_llama_attention(scaling):
+    """The Llama layer with YaRN is transformers' LlamaAttention with the same rope parameters
+    at equal weights (frequencies, magnitude, softmax scale untouched), past the original
+    context, to 1e-5 in float32."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
+
+    from eagle3.model import Attention
+    cfg = DraftModelConfig(hidden_size=48, target_hidden_size=48, num_aux=3,
+                           intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=16, num_layers=1, rms_norm_eps=1e-6, rope_theta=50000.0,
+                           max_position_embeddings=262144, vocab_size=96, draft_vocab_size=96,
+                           rope_scaling=scaling)
+    hf = LlamaConfig(hidden_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                     max_position_embeddings=262144, attention_bias=False,
+                     rope_parameters={**{k: v for k, v in scaling.items() if k != "type"},
+                                      "rope_type": "yarn", "rope_theta": 50000.0})
+    hf._attn_implementation = "eager"
+    theirs, rotary = LlamaAttention(hf, layer_idx=0), LlamaRotaryEmbedding(hf)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.normal_(0, 0.2)
+    ours = Attention(cfg, cfg.hidden_size)
+    ours.load_state_dict(theirs.state_dict(), strict=True)
+    B, T = 2, 29
+    positions = (torch.arange(T) + 5000).expand(B, T)
+    x = torch.randn(B, T, cfg.hidden_size)
+    causal = torch.full((T, T), float("-inf")).triu(1).expand(B, 1, T, T)
+    want = theirs(x, rotary(x, positions), causal)[0]
+    cos, sin = rope_cos_sin(positions, cfg.rope_dim, cfg.rope_theta, x.dtype, cfg.rope_scaling)
+    got = ours(x, cos[:, None], sin[:, None], causal_doc_mask(torch.zeros(B, T, dtype=torch.long)),
+               [])
+    assert (got - want).abs().max().item() <= 1e-5
+    assert ours.scale == 16 ** -0.5
+
+
+@pytest.mark.parametrize("scaling,problem", [
+    ({"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048, "mscale": 0.7},
+     "both non-zero or both absent"),
+    ({"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048,
+      "attention_factor": 1.2}, "not implemented in the Llama layer"),
+    ({"type": "linear", "factor": 4.0}, "only YaRN"),
+])
+def test_llama_layer_yarn_the_engines_disagree_on_is_refused(scaling, problem):
+    with pytest.raises(ValueError, match=problem):
+        DraftModelConfig(hidden_size=48, target_hidden_size=48, num_aux=3, intermediate_size=64,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_layers=1,
+                         rms_norm_eps=1e-6, rope_theta=50000.0, max_position_embeddings=8192,
+                         vocab_size=96, draft_vocab_size=96, rope_scaling=scaling)

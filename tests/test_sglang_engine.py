@@ -418,9 +418,7 @@ def test_sglang_loads_an_mla_drafter_whole_with_our_scale_and_rope(tmp_path, ful
     its hot-token map, and computes the softmax scale and the YaRN rope table our training used
     (the table to bf16 rounding: SGLang stores it in the serving dtype). The full-vocabulary case
     carries EAGLE-3.1's norms too, as lightseekorg's kimi-k2.6-eagle3.1-mla does."""
-    import torch
-
-    from eagle3.model import DraftModelConfig, MLAttention, rope_cos_sin
+    from eagle3.model import DraftModelConfig
     out, report = exported(tmp_path, "DeepseekV3ForCausalLM", [2, 4, 6], "--formats",
                            "sglang,vllm", full_vocab=full_vocab, mla=KIMI_LIKE_MLA,
                            eagle31=full_vocab)
@@ -445,15 +443,67 @@ def test_sglang_loads_an_mla_drafter_whole_with_our_scale_and_rope(tmp_path, ful
     vocab = 1024 if full_vocab else 1000
     cfg: DraftModelConfig = dataclasses.replace(draft_config(vocab), num_key_value_heads=4,
                                                 **KIMI_LIKE_MLA)
-    mla = result["mla"]
-    assert mla["rotary_class"] == "DeepseekScalingRotaryEmbedding" and not mla["neox_style"]
-    assert mla["scaling"] == pytest.approx(MLAttention(cfg, cfg.hidden_size).scale, rel=1e-12)
-    positions = torch.tensor(mla["positions"][:len(mla["cos_sin_cache"])])
+    assert_sglang_computes_our_attention(result["attention"], cfg)
+
+
+def assert_sglang_computes_our_attention(att: dict, cfg) -> None:
+    """SGLang's draft layer has our softmax scale and, to bf16 rounding (SGLang stores the
+    table in the serving dtype), our rope table: DeepSeek's interleaved rotary embedding for an
+    MLA layer, Llama's half-split one otherwise."""
+    import torch
+
+    from eagle3.model import Attention, MLAttention, rope_cos_sin
+    mla = cfg.attention == "mla"
+    assert att["rotary_class"] == ("DeepseekScalingRotaryEmbedding" if mla else
+                                   "YaRNScalingRotaryEmbedding" if cfg.rope_scaling else
+                                   "RotaryEmbedding"), att["rotary_class"]
+    assert att["neox_style"] is not mla
+    layer = (MLAttention if mla else Attention)(cfg, cfg.hidden_size)
+    assert att["scaling"] == pytest.approx(layer.scale, rel=1e-12)
+    positions = torch.tensor(att["positions"][:len(att["cos_sin_cache"])])
     cos, sin = rope_cos_sin(positions, cfg.rope_dim, cfg.rope_theta, torch.float32,
                             cfg.rope_scaling)
     half = cfg.rope_dim // 2  # SGLang's table row: cos then sin of each frequency
     ours = torch.cat([cos[:, :half], sin[:, :half]], -1)
-    assert torch.allclose(torch.tensor(mla["cos_sin_cache"]), ours, atol=4e-3)
+    assert torch.allclose(torch.tensor(att["cos_sin_cache"]), ours, atol=4e-3)
+
+
+def test_lightseek_yarn_llama_drafter_through_from_loads_whole_in_sglang(tmp_path):
+    """lightseekorg's Llama-layer Kimi drafter (kimi-k2.5-eagle3: `midlayer.*`, Kimi's YaRN,
+    full vocabulary) converted by `--from`: our exports carry its rope scaling, and SGLang's
+    own LlamaForCausalLMEagle3 takes every parameter and turns the YaRN rope table and softmax
+    scale our Llama layer trains with."""
+    import dataclasses
+
+    import torch
+    from test_convert import aq_medai_dir, convert_dir, draft_config
+
+    from eagle3.model import Eagle3DraftModel
+    yarn = KIMI_LIKE_MLA["rope_scaling"]
+    cfg = dataclasses.replace(draft_config(1024), draft_vocab_size=1024, rope_scaling=yarn,
+                              max_position_embeddings=262144)
+    torch.manual_seed(4)
+    model = Eagle3DraftModel(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    src = aq_medai_dir(tmp_path / "lightseek", model, aux=[1, 3, 5], embed=False,
+                       rope_scaling=yarn, torch_dtype="bfloat16")
+    verifier = fake_verifier(tmp_path, "DeepseekV3ForCausalLM", 1024)
+    report = convert_dir(src, tmp_path / "out", "--verifier", str(verifier), "--dtype",
+                         "bfloat16")
+    assert sorted(report["formats"]) == ["sglang", "speculators", "vllm"]
+    for fmt in report["formats"]:
+        written = json.loads((tmp_path / "out" / fmt / "config.json").read_text())
+        layer = written.get("transformer_layer_config", written)
+        assert layer["rope_scaling"] == yarn and layer["rope_parameters"]["rope_type"] == "yarn"
+    record = report["formats"]["sglang"]
+    result = sglang_load(tmp_path, tmp_path / "out" / "sglang", record["aux_layer_ids_written"])
+    for row in result["params"]:
+        if row["param"] != "model.embed_tokens.weight":
+            assert row["status"] == "written" and row["value"] == "== checkpoint", row
+    assert result["hot_token_id"] is None
+    assert_sglang_computes_our_attention(result["attention"], cfg)
 
 
 def test_lightseek_mla_drafter_through_from_loads_whole_in_sglang(tmp_path):
@@ -489,7 +539,7 @@ def test_lightseek_mla_drafter_through_from_loads_whole_in_sglang(tmp_path):
                 assert row["status"] == "written" and row["value"] == "== checkpoint", (name, row)
         assert result["hot_token_id"] is None and result["ignored_checkpoint_keys"] == []
     assert loaded["source"]["aux"] == loaded["export"]["aux"]
-    assert loaded["source"]["mla"] == loaded["export"]["mla"]
+    assert loaded["source"]["attention"] == loaded["export"]["attention"]
 
 
 @pytest.mark.parametrize("internal,rule,valid", [

@@ -336,14 +336,17 @@ def main():
                                "equals_arange_plus_d2t": bool(torch.equal(hot, exp)),
                                "first5": hot[:5].tolist()}
     out["load_lm_head_from_target"] = getattr(model, "load_lm_head_from_target", None)
-    attn = getattr(getattr(model.model, "midlayer", None), "self_attn", None)
-    if hasattr(attn, "rotary_emb"):  # the MLA layer: SGLang's softmax scale and rope table
+    # the draft layer: `midlayer` (MLA, kimi_k25_eagle3.py) or `layers[0]` (llama_eagle3.py)
+    layer = getattr(model.model, "midlayer", None) or model.model.layers[0]
+    attn = getattr(layer, "self_attn", None)
+    if hasattr(attn, "rotary_emb"):  # SGLang's softmax scale and rope table of the draft layer
         cache = attn.rotary_emb.cos_sin_cache
         positions = [0, 1, 37, 1000, 3000, 8000]
-        out["mla"] = {"scaling": float(attn.scaling), "rotary_class": type(attn.rotary_emb).__name__,
-                      "neox_style": bool(getattr(attn.rotary_emb, "is_neox_style", True)),
-                      "positions": positions,
-                      "cos_sin_cache": cache[[p for p in positions if p < cache.shape[0]]].float().tolist()}
+        rows = cache[[p for p in positions if p < cache.shape[0]]]
+        out["attention"] = {"scaling": float(attn.scaling),
+                            "rotary_class": type(attn.rotary_emb).__name__,
+                            "neox_style": bool(getattr(attn.rotary_emb, "is_neox_style", True)),
+                            "positions": positions, "cos_sin_cache": rows.float().tolist()}
     # What the EAGLE worker does next (eagle_worker_v2.py:353-363): unless the draft must
     # load its lm_head from the target, it calls model.set_embed(target_embed)
     # (llama.py:910), which is a no-op when config.target_hidden_size != hidden_size.
