@@ -263,6 +263,20 @@ def test_unsupported_flag_and_norm_placement(tmp_path):
     assert "set draft.norm_before_residual=true" in msgs[1]
 
 
+def test_yarn_the_engines_read_differently_is_named(tmp_path):
+    """A Llama-layer base whose YaRN we would not compute as the engines do is refused by name:
+    `attention_factor` (not implemented), or `mscale` without `mscale_all_dim` (vLLM and SGLang
+    disagree)."""
+    from test_convert import aq_medai_dir
+    ref = random_model()
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
+    base_dir = aq_medai_dir(tmp_path / "a", ref, rope_scaling={**yarn, "attention_factor": 1.1})
+    assert any("attention_factor" in p for p in problems(base_dir))
+    base_dir = aq_medai_dir(tmp_path / "b", ref, rope_scaling={**yarn, "mscale": 0.7})
+    with pytest.raises(BaseDrafterError, match="both non-zero or both absent"):
+        load_base_drafter(base_dir)
+
+
 def test_eagle31_base_needs_the_same_norms_and_legacy_names_read(tmp_path):
     """A base trained with EAGLE-3.1's norms: our drafter must have them too (one line naming
     the setting); an older SGLang-trained one (`aux_norm_low/mid/high`, `use_aux_norm`) is read

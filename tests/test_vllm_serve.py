@@ -71,8 +71,7 @@ def test_random_drafter_serves_in_vllm(tmp_path, smollm2):
     assert "Detected EAGLE model with distinct lm_head weights" in log
 
 
-@pytest.mark.parametrize("layout", ["speculators-save-pretrained", "aq-medai",
-                                    "lightseek-llama-yarn"])
+@pytest.mark.parametrize("layout", ["speculators-save-pretrained", "aq-medai"])
 def test_converted_drafters_serve_in_vllm(tmp_path, smollm2, layout):
     """`05_fix_keys.py --from` a drafter written by speculators' own save_pretrained, one in
     AQ-MedAI's midlayer.* layout (embedding shipped), and one as lightseekorg's Llama-layer
