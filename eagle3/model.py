@@ -525,7 +525,8 @@ class _DiagonalAttention(nn.Module):
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v `[B, heads, T, d]`, one width d for all three (zero-padded where needed)."""
+        """q, k, v `[B, heads, T, d]`, one width d for all three (zero-padded where needed).
+        Abstract: `Attention` and `MLAttention` define it."""
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -45,6 +45,20 @@ def transformers_attention(cfg: DraftModelConfig):
     return DeepseekV3Attention(hf, layer_idx=0), DeepseekV3RotaryEmbedding(hf)
 
 
+def max_difference(ours, theirs, rotary, cfg: DraftModelConfig, T: int, start: int) -> float:
+    """Largest difference between our attention and transformers' at equal weights on a causal
+    batch of 2 x T tokens at positions start.."""
+    B = 2
+    positions = (torch.arange(T) + start).expand(B, T)
+    x = torch.randn(B, T, cfg.hidden_size)
+    causal = torch.full((T, T), float("-inf")).triu(1).expand(B, 1, T, T)
+    want = theirs(x, rotary(x, positions), causal)[0]
+    cos, sin = rope_cos_sin(positions, cfg.rope_dim, cfg.rope_theta, x.dtype, cfg.rope_scaling)
+    got = ours(x, cos[:, None], sin[:, None], causal_doc_mask(torch.zeros(B, T, dtype=torch.long)),
+               [])
+    return (got - want).abs().max().item()
+
+
 @pytest.mark.parametrize("q_lora_rank", [24, None])
 @pytest.mark.parametrize("rope_scaling", [None, KIMI_YARN, REHEARSAL_YARN],
                          ids=["plain", "kimi-yarn", "rehearsal-yarn"])
@@ -61,16 +75,8 @@ def test_mla_forward_equals_transformers_deepseek_v3_attention(q_lora_rank, rope
     ours = MLAttention(cfg, cfg.hidden_size)
     missing, unexpected = ours.load_state_dict(theirs.state_dict(), strict=True)
     assert not missing and not unexpected
-    B, T = 2, 37
-    start = 3000 if rope_scaling else 0  # past YaRN's original length: all frequencies matter
-    positions = (torch.arange(T) + start).expand(B, T)
-    x = torch.randn(B, T, cfg.hidden_size)
-    causal = torch.full((T, T), float("-inf")).triu(1).expand(B, 1, T, T)
-    want = theirs(x, rotary(x, positions), causal)[0]
-    cos, sin = rope_cos_sin(positions, cfg.rope_dim, cfg.rope_theta, x.dtype, cfg.rope_scaling)
-    got = ours(x, cos[:, None], sin[:, None], causal_doc_mask(torch.zeros(B, T, dtype=torch.long)),
-               [])
-    assert (got - want).abs().max().item() <= 1e-5
+    # past YaRN's original length: all frequencies matter
+    assert max_difference(ours, theirs, rotary, cfg, 37, 3000 if rope_scaling else 0) <= 1e-5
 
 
 def test_mla_ttt_attention_matches_the_written_out_definition():
@@ -153,15 +159,7 @@ def test_llama_layer_yarn_equals_transformers_llama_attention(scaling):
             p.normal_(0, 0.2)
     ours = Attention(cfg, cfg.hidden_size)
     ours.load_state_dict(theirs.state_dict(), strict=True)
-    B, T = 2, 29
-    positions = (torch.arange(T) + 5000).expand(B, T)
-    x = torch.randn(B, T, cfg.hidden_size)
-    causal = torch.full((T, T), float("-inf")).triu(1).expand(B, 1, T, T)
-    want = theirs(x, rotary(x, positions), causal)[0]
-    cos, sin = rope_cos_sin(positions, cfg.rope_dim, cfg.rope_theta, x.dtype, cfg.rope_scaling)
-    got = ours(x, cos[:, None], sin[:, None], causal_doc_mask(torch.zeros(B, T, dtype=torch.long)),
-               [])
-    assert (got - want).abs().max().item() <= 1e-5
+    assert max_difference(ours, theirs, rotary, cfg, 29, 5000) <= 1e-5
     assert ours.scale == 16 ** -0.5
 
 

@@ -73,12 +73,9 @@ def test_random_drafter_serves_in_vllm(tmp_path, smollm2):
 
 @pytest.mark.parametrize("layout", ["speculators-save-pretrained", "aq-medai"])
 def test_converted_drafters_serve_in_vllm(tmp_path, smollm2, layout):
-    """`05_fix_keys.py --from` a drafter written by speculators' own save_pretrained, one in
-    AQ-MedAI's midlayer.* layout (embedding shipped), and one as lightseekorg's Llama-layer
-    Kimi drafter (Kimi's YaRN, the full vocabulary, no map): vLLM serves the vLLM export,
-    drafting from the aux layers we trained on."""
-    import dataclasses
-
+    """`05_fix_keys.py --from` a drafter written by speculators' own save_pretrained, and one in
+    AQ-MedAI's midlayer.* layout (embedding shipped): vLLM serves the vLLM export, drafting from
+    the aux layers we trained on."""
     from test_convert import aq_medai_dir, convert_dir, drafter_for, speculators_dir
 
     from conftest import make_config
@@ -86,16 +83,7 @@ def test_converted_drafters_serve_in_vllm(tmp_path, smollm2, layout):
     from eagle3.config import ServerConfig
 
     model = drafter_for(smollm2, heads=9, kv_heads=3)  # SmolLM2's embedding and head shape
-    if layout == "lightseek-llama-yarn":
-        yarn = {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096,
-                "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
-        full = Eagle3DraftModel(dataclasses.replace(model.cfg, rope_scaling=yarn,
-                                                    draft_vocab_size=model.cfg.vocab_size))
-        state = {k: v for k, v in model.state_dict().items()
-                 if k not in ("d2t", "t2d", "lm_head.weight")}
-        full.load_state_dict(state, strict=False)  # its own (random) full head
-        src = aq_medai_dir(tmp_path / "src", full, aux=[0, 1, 2], rope_scaling=yarn)
-    elif layout == "aq-medai":
+    if layout == "aq-medai":
         # Written for SGLang and a Llama verifier: [1,2,3] - 1.
         src = aq_medai_dir(tmp_path / "src", model, aux=[0, 1, 2])
     else:
