@@ -1055,8 +1055,8 @@ def read_verifier_info(verifier: VerifierConfig) -> VerifierInfo:
 
 
 def yarn_of(text: dict[str, Any]) -> Optional[dict[str, Any]]:
-    """The YaRN rope scaling of a config (DeepSeek/Kimi text, a drafter's), in `rope_scaling`'s form
-    (`type: yarn` and its parameters), from `rope_scaling` or transformers 5's
+    """The YaRN rope scaling of a config (DeepSeek/Kimi text, a drafter's), in `rope_scaling`'s
+    form (`type: yarn` and its parameters), from `rope_scaling` or transformers 5's
     `rope_parameters`; None for plain RoPE."""
     params = text.get("rope_scaling") or text.get("rope_parameters") or {}
     kind = params.get("type", params.get("rope_type", "default")) if isinstance(params, dict) \

@@ -342,11 +342,11 @@ def main():
     if hasattr(attn, "rotary_emb"):  # SGLang's softmax scale and rope table of the draft layer
         cache = attn.rotary_emb.cos_sin_cache
         positions = [0, 1, 37, 1000, 3000, 8000]
-        rows = cache[[p for p in positions if p < cache.shape[0]]]
+        table = cache[[p for p in positions if p < cache.shape[0]]]
         out["attention"] = {"scaling": float(attn.scaling),
                             "rotary_class": type(attn.rotary_emb).__name__,
                             "neox_style": bool(getattr(attn.rotary_emb, "is_neox_style", True)),
-                            "positions": positions, "cos_sin_cache": rows.float().tolist()}
+                            "positions": positions, "cos_sin_cache": table.float().tolist()}
     # What the EAGLE worker does next (eagle_worker_v2.py:353-363): unless the draft must
     # load its lm_head from the target, it calls model.set_embed(target_embed)
     # (llama.py:910), which is a no-op when config.target_hidden_size != hidden_size.
