@@ -298,6 +298,22 @@ class GenerateConfig:
 
 @dataclass(frozen=True)
 class HiddenStatesConfig:
+    mode: Literal["store", "stream"] = "store"
+    """`store`: stage 02 writes every sample's states to disk once and stage 04 reads them each
+    epoch. `stream`: stage 02 only checks the feature source (the verifier loads, its states
+    for `check_samples` samples are stored as the reference) and stage 04 computes each
+    micro-batch's states with the same backend while it trains, `stream_ahead` micro-batches
+    ahead; the disk holds no data set, and the verifier runs once per epoch (eagle3.stream)."""
+    stream_ahead: int = 8
+    """`stream`: micro-batches whose states may exist at once per rank, computed or being
+    computed and not yet trained on (the producer's buffer bound)."""
+    cache_gb: float = 0.0
+    """`stream`: keep the states of as many samples as fit in this many GB on disk
+    (`04_train/state_cache/`, the first samples of the first epoch's order), written when first
+    computed and read instead of recomputed in later epochs; the rest are streamed each epoch."""
+    check_samples: int = 4
+    """`stream`: samples stage 02 captures and stores as the reference that stage 04's producer
+    must reproduce before training starts."""
     backend: Literal["hf", "vllm"] = "hf"
     """Capture backend: `hf` (transformers in-process, hooks on the needed layers; torchrun for
     data parallelism) or `vllm` (vLLM's `extract_hidden_states` + hidden-states KV connector,
@@ -316,8 +332,11 @@ class HiddenStatesConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     """`vllm` backend: how the extraction server is started (e.g. extra_args [--tensor-parallel-
     size, "8", --trust-remote-code]) and its timeouts."""
-    server_url: Optional[str] = None
-    """`vllm` backend: URL of an already running extraction server; null starts one."""
+    server_urls: list[str] = field(default_factory=list)
+    """`vllm` backend: URLs of already running extraction servers (started with the arguments
+    `python -m eagle3.plan` prints; their storage directory visible here); empty starts one.
+    Stage 02 spreads its requests over all of them; in stream mode, stage 04's rank r uses
+    every world_size-th one from r (or shares one when there are fewer servers than ranks)."""
     concurrency: int = 32
     """`vllm` backend: requests in flight."""
 
@@ -325,6 +344,10 @@ class HiddenStatesConfig:
         _positive("hidden_states.shard_samples", self.shard_samples)
         _positive("hidden_states.batch_tokens", self.batch_tokens)
         _positive("hidden_states.concurrency", self.concurrency)
+        _positive("hidden_states.stream_ahead", self.stream_ahead)
+        _positive("hidden_states.check_samples", self.check_samples)
+        if self.cache_gb < 0:
+            raise ConfigError(f"hidden_states.cache_gb must be >= 0, got {self.cache_gb}")
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ over this rank's share of the visible GPUs, for a verifier larger than one devic
 
 Backend `vllm` (the Kimi-K2.5 path: a 1T-parameter INT4 MoE that only an engine holds on an
 8-GPU node): a vLLM server is started from `hidden_states.server` (or reached at
-`hidden_states.server_url`) with
+`hidden_states.server_urls`, several spreading the requests) with
     --speculative-config '{"method": "extract_hidden_states", "num_speculative_tokens": 1,
         "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [A.., N]}}}'
     --kv-transfer-config '{"kv_connector": "ExampleHiddenStatesConnector",
@@ -74,10 +74,10 @@ DISK_MARGIN = 0.10
 VLLM_STORAGE = ".vllm_hidden_states"
 
 
-def check_finite(sample_id: str, shard: int, aux: torch.Tensor, final: torch.Tensor,
+def check_finite(sample_id: str, where: str, aux: torch.Tensor, final: torch.Tensor,
                  verifier_dtype: str) -> None:
     if not (torch.isfinite(aux).all() and torch.isfinite(final).all()):
-        raise StageError(f"non-finite hidden state for sample {sample_id} (shard {shard}): the "
+        raise StageError(f"non-finite hidden state for sample {sample_id} ({where}): the "
                          f"verifier overflows in {verifier_dtype}; try verifier.dtype=float32 "
                          f"or drop the sample")
 
@@ -200,11 +200,12 @@ def vllm_server_args(layer_ids: list[int], storage: Path) -> list[str]:
 
 
 class VllmExtractor:
-    """Sends each sample to an extraction server; returns (aux, post-norm final) per sample."""
+    """Sends each sample to an extraction server (the i-th of a call to server i mod n); returns
+    (aux, post-norm final) per sample."""
 
-    def __init__(self, url: str, aux_ids: list[int], num_layers: int,
+    def __init__(self, urls: list[str], aux_ids: list[int], num_layers: int,
                  norm: torch.nn.Module, server: ServerConfig, concurrency: int) -> None:
-        self.url = base_url(url)
+        self.urls = [base_url(u) for u in urls]
         self.aux_ids = aux_ids
         self.layer_ids = vllm_layer_ids(aux_ids, num_layers)
         self.aux_slots = [self.layer_ids.index(j) for j in aux_ids]
@@ -214,14 +215,15 @@ class VllmExtractor:
         verifier's dtype as its forward does."""
         self.norm_dtype = next(norm.parameters()).dtype
         self.server, self.concurrency = server, concurrency
-        self.model = served_model(self.url, server)
+        self.models = [served_model(u, server) for u in self.urls]
 
-    def _one(self, sid: str, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _one(self, n: int, sid: str, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         from safetensors.torch import load_file
 
+        url, model = self.urls[n % len(self.urls)], self.models[n % len(self.urls)]
         try:
-            reply = http_post_json(f"{self.url}/v1/completions",
-                                   {"model": self.model, "prompt": ids, "max_tokens": 1,
+            reply = http_post_json(f"{url}/v1/completions",
+                                   {"model": model, "prompt": ids, "max_tokens": 1,
                                     "temperature": 0.0, "return_token_ids": True},
                                    self.server)
         except StageError as e:
@@ -262,29 +264,40 @@ class VllmExtractor:
     def capture(self, sample_ids: list[str],
                 input_ids: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         with concurrent.futures.ThreadPoolExecutor(self.concurrency) as pool:
-            return list(pool.map(self._one, sample_ids, input_ids))
+            return list(pool.map(self._one, range(len(sample_ids)), sample_ids, input_ids))
+
+
+def rank_servers(urls: list[str], ctx: dist.DistContext) -> list[str]:
+    """The extraction servers of this rank: every world_size-th from its rank, or one shared
+    when there are fewer servers than ranks."""
+    return urls[ctx.rank::ctx.world_size] or [urls[ctx.rank % len(urls)]]
 
 
 @contextlib.contextmanager
-def _vllm_extractor(stage: Stage, aux_ids: list[int], max_len: int) -> Iterator[VllmExtractor]:
+def _vllm_extractor(stage: Stage, ctx: dist.DistContext, aux_ids: list[int],
+                    max_len: int) -> Iterator[VllmExtractor]:
     cfg, hs = stage.cfg, stage.cfg.hidden_states
     info = cfg.verifier_info
     norm = load_final_norm(cfg.verifier_path, cfg.verifier.dtype, cfg.verifier.trust_remote_code)
 
-    def make(url: str) -> VllmExtractor:
-        return VllmExtractor(url, aux_ids, info.num_hidden_layers, norm, hs.server,
+    def make(urls: list[str]) -> VllmExtractor:
+        return VllmExtractor(urls, aux_ids, info.num_hidden_layers, norm, hs.server,
                              hs.concurrency)
 
-    if hs.server_url:
-        yield make(hs.server_url)
+    if hs.server_urls:
+        yield make(rank_servers(list(hs.server_urls), ctx))
         return
+    if ctx.distributed:
+        raise StageError("hidden_states.backend=vllm under torchrun needs running extraction "
+                         "servers: start them (python -m eagle3.plan prints the command) and "
+                         "list them in hidden_states.server_urls")
     storage = stage.dir / VLLM_STORAGE
     storage.mkdir(parents=True, exist_ok=True)
     args = vllm_server_args(vllm_layer_ids(aux_ids, info.num_hidden_layers), storage)
     with start_server("vllm", cfg, hs.server, "hidden_states.server", stage.dir / "vllm.log",
                       max_model_len=hs.server.max_model_len or max_len + 1,
                       args=args) as server:
-        yield make(server.url())
+        yield make([server.url()])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -317,6 +330,14 @@ def run_extract(stage: Stage) -> None:
     if ctx.is_main and cfg.measures_base:
         _extract_measure_set(stage, ctx, ds, plan)
     dist.barrier()
+    if hs.mode == "stream":
+        if ctx.is_main:
+            _store_reference(stage, ctx, ds, plan, STREAM_CHECK_DIR,
+                             list(range(min(hs.check_samples, len(ds)))),
+                             list(cfg.verifier_info.aux_layer_ids))
+            _finish_stream(stage, plan, started)
+        dist.barrier()
+        return
     written = _extract_shards(stage, ctx, ds, plan) if plan.todo else 0
     written = dist.all_sum(written)
     dist.barrier()
@@ -347,19 +368,27 @@ def _plan(stage: Stage, ctx: dist.DistContext, ds: Any) -> _Plan:
     # Lengths straight from Arrow: materializing every token list would not fit in memory for
     # production datasets.
     lengths = pc.list_value_length(ds.data.column("input_ids")).to_pylist()
-    per = hs.shard_samples
-    shards = [(k, list(range(s, min(s + per, len(ds)))))
-              for k, s in enumerate(range(0, len(ds), per))]
     facts = {"aux_layer_ids": aux_ids, "aux_layer_convention": AUX_CONVENTION,
              "final_state": FINAL_STATE, "dtype": hs.dtype, "hidden_size": info.hidden_size,
              "verifier": str(cfg.verifier_path), "backend": hs.backend}
+    bpt = bytes_per_token(len(aux_ids), info.hidden_size, hs.dtype)
+    total = sum(lengths)
+    if hs.mode == "stream":
+        # Only the reference samples (and the measure set) are stored.
+        stage.needs_bytes = sum(lengths[:hs.check_samples]) * bpt
+        dist.log0("stream mode: %d samples, %d tokens; their states (%.3f GB at %d B/token, "
+                  "%s) are computed while stage 04 trains, never stored", len(ds), total,
+                  total * bpt / 1e9, bpt, hs.dtype)
+        check_disk(stage.dir, stage.needs_bytes)
+        return _Plan([], [], facts, lengths, bpt)
+    per = hs.shard_samples
+    shards = [(k, list(range(s, min(s + per, len(ds)))))
+              for k, s in enumerate(range(0, len(ds), per))]
     todo = [(k, rows) for k, rows in shards if k % ctx.world_size == ctx.rank
             and shard_done(stage.dir, k, [ids[i] for i in rows],
                            sum(lengths[i] for i in rows), facts) is None]
-    bpt = bytes_per_token(len(aux_ids), info.hidden_size, hs.dtype)
     needed = dist.all_sum(sum(lengths[i] for _, rows in todo for i in rows) * bpt)
     stage.needs_bytes = needed
-    total = sum(lengths)
     dist.log0("%d samples, %d tokens -> %d shards (%d to write), %d B/token "
               "(%d aux x %d hidden, %s): %.3f GB for the whole set", len(ds), total,
               len(shards), dist.all_sum(len(todo)), bpt, len(aux_ids), info.hidden_size,
@@ -369,6 +398,7 @@ def _plan(stage: Stage, ctx: dist.DistContext, ds: Any) -> _Plan:
 
 
 MEASURE_DIR = "measure"
+STREAM_CHECK_DIR = "stream_check"
 
 
 def measure_layer_ids(cfg: Any) -> list[int]:
@@ -388,26 +418,55 @@ def measure_layer_ids(cfg: Any) -> list[int]:
 
 def _extract_measure_set(stage: Stage, ctx: dist.DistContext, ds: Any, plan: _Plan) -> None:
     """`02_hidden_states/measure/`: the first `train.measure_samples` samples with the aux states
-    of every candidate layer, written as one shard (kept when already complete)."""
+    of every candidate layer."""
+    _store_reference(stage, ctx, ds, plan, MEASURE_DIR,
+                     list(range(min(stage.cfg.train.measure_samples, len(ds)))),
+                     measure_layer_ids(stage.cfg))
+
+
+def _store_reference(stage: Stage, ctx: dist.DistContext, ds: Any, plan: _Plan, name: str,
+                     rows: list[int], aux_ids: list[int]) -> None:
+    """`02_hidden_states/<name>/`: dataset `rows` with the aux states of `aux_ids`, captured as
+    one group and written as one shard with its index (kept when already complete)."""
     cfg = stage.cfg
-    rows = list(range(min(cfg.train.measure_samples, len(ds))))
-    ids = measure_layer_ids(cfg)
-    facts = {**plan.facts, "aux_layer_ids": ids}
-    out = stage.dir / MEASURE_DIR
+    facts = {**plan.facts, "aux_layer_ids": aux_ids}
+    out = stage.dir / name
     out.mkdir(exist_ok=True)
     sub = ds.select(rows)
     sample_ids, input_ids = list(sub["id"]), list(sub["input_ids"])
     if shard_done(out, 0, sample_ids, sum(plan.lengths[i] for i in rows), facts) is None:
-        measure_cfg = dataclasses.replace(cfg, verifier=dataclasses.replace(
-            cfg.verifier, aux_layer_ids=ids))
-        with _capture_backend(Stage(measure_cfg, 2), ctx, max(plan.lengths)) as capture_fn:
-            states = [encode(aux, final, cfg.hidden_states.dtype, len(ids))
-                      for aux, final in capture_fn(sample_ids, input_ids)]
+        ref_cfg = dataclasses.replace(cfg, verifier=dataclasses.replace(
+            cfg.verifier, aux_layer_ids=aux_ids))
+        with capture_backend(Stage(ref_cfg, 2), ctx, max(plan.lengths)) as capture_fn:
+            states = []
+            for sid, (aux, final) in zip(sample_ids, capture_fn(sample_ids, input_ids)):
+                check_finite(sid, name, aux, final, cfg.verifier.dtype)
+                states.append(encode(aux, final, cfg.hidden_states.dtype, len(aux_ids)))
         write_shard(out, 0, sample_ids, input_ids, list(sub["loss_mask"]), states, facts)
     entry = json.loads((out / entry_name(0)).read_text())
-    atomic_write_json(out / INDEX, {"format": FORMAT, **facts, "num_aux": len(ids),
+    atomic_write_json(out / INDEX, {"format": FORMAT, **facts, "num_aux": len(aux_ids),
                                     "num_samples": len(rows), "shards": [entry]})
-    log.info("measure set: %d samples with aux layers %s -> %s", len(rows), ids, out)
+    log.info("%s: %d samples with aux layers %s -> %s", name, len(rows), aux_ids, out)
+
+
+def _finish_stream(stage: Stage, plan: _Plan, started: float) -> None:
+    """Stream mode: index.json names the mode and the reference set; nothing else is stored."""
+    n_samples, n_tokens = len(plan.lengths), sum(plan.lengths)
+    index = {"format": FORMAT, "mode": "stream", **plan.facts,
+             "num_aux": len(plan.facts["aux_layer_ids"]),
+             "bytes_per_token": plan.bytes_per_token, "num_samples": n_samples,
+             "num_tokens": n_tokens, "check": STREAM_CHECK_DIR}
+    atomic_write_json(stage.dir / INDEX, index)
+    files = file_records(stage.dir, [stage.dir / INDEX, stage.dir / STREAM_CHECK_DIR] + (
+        [stage.dir / MEASURE_DIR] if stage.cfg.measures_base else []))
+    stage.write_manifest(
+        inputs={"01_data": stage.upstream_hash(1)},
+        outputs={"index": INDEX, "check": STREAM_CHECK_DIR},
+        counts={"samples": n_samples, "tokens": n_tokens, "shards": 0,
+                "bytes": sum(r["bytes"] for r in files.values()),
+                "bytes_per_token": plan.bytes_per_token,
+                "bytes_if_stored": n_tokens * plan.bytes_per_token},
+        files=files, started=started, mode="stream", **plan.facts)
 
 
 def _finish(stage: Stage, plan: _Plan, written: int, ranks: int, started: float) -> None:
@@ -444,13 +503,13 @@ def _finish(stage: Stage, plan: _Plan, written: int, ranks: int, started: float)
 
 
 @contextlib.contextmanager
-def _capture_backend(stage: Stage, ctx: dist.DistContext,
+def capture_backend(stage: Stage, ctx: dist.DistContext,
                      max_len: int) -> Iterator[Callable[[list[str], list[list[int]]], list]]:
     """A function (sample ids, token ids) -> [(aux, final)] of the configured backend."""
     cfg, hs = stage.cfg, stage.cfg.hidden_states
     aux_ids = list(cfg.verifier_info.aux_layer_ids)
     if hs.backend == "vllm":
-        with _vllm_extractor(stage, aux_ids, max_len) as extractor:
+        with _vllm_extractor(stage, ctx, aux_ids, max_len) as extractor:
             yield extractor.capture
         return
     base = load_text_decoder(cfg.verifier_path, cfg.verifier.dtype,
@@ -467,14 +526,14 @@ def _extract_shards(stage: Stage, ctx: dist.DistContext, ds: Any, plan: _Plan) -
     cfg, hs = stage.cfg, stage.cfg.hidden_states
     n_aux = len(plan.facts["aux_layer_ids"])
     written, done_tokens, done_samples = 0, 0, 0
-    with _capture_backend(stage, ctx, max(plan.lengths)) as capture_fn:
+    with capture_backend(stage, ctx, max(plan.lengths)) as capture_fn:
         t0 = time.time()
         for n, (k, rows) in enumerate(plan.todo, 1):
             sub = ds.select(rows)
             ids, input_ids = list(sub["id"]), list(sub["input_ids"])
             states = []
             for sid, (aux, final) in zip(ids, capture_fn(ids, input_ids)):
-                check_finite(sid, k, aux, final, cfg.verifier.dtype)
+                check_finite(sid, shard_name(k), aux, final, cfg.verifier.dtype)
                 states.append(encode(aux, final, hs.dtype, n_aux))
             written += write_shard(stage.dir, k, ids, input_ids, list(sub["loss_mask"]),
                                    states, plan.facts)["bytes"]

@@ -89,16 +89,19 @@ def verifier_loads(cfg: Config) -> dict[str, int]:
     """How many times each stage loads the verifier (an engine start or an in-process load):
     on a Kimi node each costs 20-30 minutes before any work."""
     generate = 0 if cfg.generate.engine != "hf" and cfg.generate.server_urls else 1
-    extract = 0 if cfg.hidden_states.backend == "vllm" and cfg.hidden_states.server_url else 1
+    extract = 0 if cfg.hidden_states.backend == "vllm" and cfg.hidden_states.server_urls else 1
     if cfg.measures_base and cfg.hidden_states.backend == "vllm":
         extract += 1  # the measure set's layers are captured by a second server
+    # stream mode: stage 04 runs the verifier too (each rank in-process, or a capture server)
+    train = 0 if cfg.hidden_states.mode == "store" or (
+        cfg.hidden_states.backend == "vllm" and cfg.hidden_states.server_urls) else 1
     bench = 0
     for engine in cfg.bench.engines:
         if engine.name == "hf":
             bench += 1  # the reference decoder loads it once, in-process
         else:
             bench += len(engine.parsed_depths) + int(engine.serves_baseline)
-    return {"01": generate, "02": extract, "06": bench}
+    return {"01": generate, "02": extract, "04": train, "06": bench}
 
 
 def served_beyond_trained(cfg: Config) -> Optional[str]:
@@ -260,7 +263,7 @@ def engine_commands(cfg: Config) -> dict[str, list[str]]:
             cfg.generate.server.max_model_len or cfg.data.max_seq_len + cfg.generate.max_new_tokens,
             [])
     info, _ = verifier_facts(cfg)
-    if cfg.hidden_states.backend == "vllm" and not cfg.hidden_states.server_url and info:
+    if cfg.hidden_states.backend == "vllm" and not cfg.hidden_states.server_urls and info:
         ids = vllm_layer_ids(list(info.aux_layer_ids), info.num_hidden_layers)
         out["02 extract"] = server_command(
             "vllm", cfg, cfg.hidden_states.server, str(cfg.verifier_path), 8001,
@@ -276,6 +279,59 @@ def engine_commands(cfg: Config) -> dict[str, list[str]]:
             engine_args(engine, depth, cfg.run_dir / "05_export" / engine.name,
                         max(cfg.bench.concurrency)))
     return out
+
+
+def free_disk(cfg: Config) -> tuple[int, Path]:
+    """Free bytes on the disk that will hold the run directory, and where that was measured."""
+    probe = cfg.run_dir
+    while not probe.exists():
+        probe = probe.parent
+    return shutil.disk_usage(probe).free, probe
+
+
+def store_or_stream(cfg: Config, info: VerifierInfo, tokens: float, stored_bytes: float,
+                    free: tuple[int, Path]) -> dict[str, Any]:
+    """The hidden-state trade-off (`hidden_states.mode`): storing pays the disk and one verifier
+    pass; streaming pays a verifier pass per epoch (over the training tokens, plus the
+    validation set at each checkpoint, left out here) and a bounded buffer per rank. Returns
+    the plan's lines and the bytes each mode puts on the disk."""
+    from eagle3.shards import bytes_per_token
+
+    hs, p, epochs = cfg.hidden_states, cfg.plan, cfg.train.epochs
+    bpt = bytes_per_token(len(info.aux_layer_ids), info.hidden_size, hs.dtype)
+    ranks = p.gpus if cfg.train.device != "cpu" else 1
+    buffer = hs.stream_ahead * cfg.train.batch_tokens * bpt * ranks
+    # Only the reference samples go to the disk in stream mode; the buffer is memory (the
+    # in-process producer) or transient engine files consumed as they are trained on.
+    reference = hs.check_samples * cfg.data.max_seq_len * bpt
+    once = tokens / p.extract_tok_s / 3600 if p.extract_tok_s else None
+    hours = (lambda n: f"{n * once:.1f} verifier hours") if once is not None else (
+        lambda n: f"{n:g} verifier pass{'es' if n != 1 else ''} over the data "
+                  f"(set plan.extract_tok_s for hours)")
+    lines = [f"   store or stream ({cfg.train.epochs} epochs, {ranks} training rank(s); "
+             f"hidden_states.mode={hs.mode}):",
+             f"     store : {stored_bytes / 1e12:8.3f} TB on disk, {hours(1)}",
+             f"     stream: {reference / 1e12:8.3f} TB on disk, {hours(epochs)}, states in flight "
+             f"{buffer / GB:.2f} GB at most ({hs.stream_ahead} micro-batches of "
+             f"{cfg.train.batch_tokens} tokens per rank, hidden_states.stream_ahead)"]
+    if hs.cache_gb > 0:
+        kept = min(hs.cache_gb * 1e9 / stored_bytes, 1.0) if stored_bytes else 1.0
+        passes = 1 + (epochs - 1) * (1 - kept)
+        lines.append(f"     cache : {min(hs.cache_gb * 1e9, stored_bytes) / 1e12:8.3f} TB on disk "
+                     f"(hidden_states.cache_gb={hs.cache_gb:g}: {kept:.0%} of the states), "
+                     f"{hours(round(passes, 2))}")
+    free_bytes, where = free
+    if stored_bytes * 1.1 > free_bytes:
+        best = f"stream: storing needs {stored_bytes * 1.1 / 1e12:.2f} TB with its margin, " \
+               f"{free_bytes / 1e12:.2f} TB is free at {where}"
+    elif epochs > 1:
+        best = f"store: it saves {hours(epochs - 1)} for {stored_bytes / 1e12:.3f} TB of disk"
+    else:
+        best = "stream: one epoch passes the verifier over the data once either way, and " \
+               "streaming keeps the disk free"
+    lines.append(f"     cheaper here: {best}")
+    return {"lines": lines, "disk": {"store": stored_bytes, "stream": reference},
+            "cheaper": best.split(":")[0]}
 
 
 def _hours(work: float, rate: Optional[float]) -> str:
@@ -309,13 +365,11 @@ def preflight(cfg: Config, needed_bytes: float) -> list[Verdict]:
         verdicts.append(_final_norm_verdict(cfg))
     verdicts.append(_base_verdict(cfg))
     verdicts.append(_init_verdict(cfg))
-    probe = cfg.run_dir
-    while not probe.exists():
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free
+    free, probe = free_disk(cfg)
     verdicts.append(Verdict("free disk for hidden states", free >= needed_bytes * 1.1,
                             f"{free / GB:.0f} GB free at {probe}, "
-                            f"{needed_bytes * 1.1 / GB:.0f} GB needed"))
+                            f"{needed_bytes * 1.1 / GB:.0f} GB needed"
+                            + (" (stream mode)" if cfg.hidden_states.mode == "stream" else "")))
     engines = {("vllm" if cfg.generate.engine == "vllm" else "sglang"): cfg.generate.server
                } if cfg.generate.engine != "hf" else {}
     if cfg.hidden_states.backend == "vllm":
@@ -456,6 +510,9 @@ def render_plan(cfg: Config) -> tuple[str, list[Verdict]]:
     for dtype, nbytes in disk.items():
         lines.append(f"   hidden states as {dtype}: ~{nbytes / 1e12:.2f} TB (at most "
                      f"{disk_max[dtype] / 1e12:.2f} TB)")
+    choice = store_or_stream(cfg, info, d["tokens"], disk[cfg.hidden_states.dtype],
+                             free_disk(cfg))
+    lines += choice["lines"]
     lines += [f"04 train: {mem['trainable_parameters'] / 1e9:.2f}B trainable parameters; model "
               f"states per GPU {mem['ddp'] / GB:.1f} GB under DDP, {mem['fsdp'] / GB:.1f} GB under "
               f"FSDP over {p.gpus} GPUs; {cfg.train.epochs} epochs ~"
@@ -469,7 +526,8 @@ def render_plan(cfg: Config) -> tuple[str, list[Verdict]]:
     lines += _proposals(cfg, disk, d)
     lines += ["", "engine commands (port numbers are chosen at run time):"]
     lines += [f"  {name}: {' '.join(cmd)}" for name, cmd in engine_commands(cfg).items()]
-    verdicts = (preflight(cfg, disk[cfg.hidden_states.dtype]) + [memory_verdict(cfg, mem)]
+    verdicts = (preflight(cfg, choice["disk"][cfg.hidden_states.mode])
+                + [memory_verdict(cfg, mem)]
                 + _sglang_backend_verdicts(cfg, info))
     lines += ["", "preflight:"] + [v.line() for v in verdicts]
     return "\n".join(lines), verdicts
@@ -497,18 +555,20 @@ def _sglang_backend_verdicts(cfg: Config, info: VerifierInfo) -> list[Verdict]:
 
 def _loads_line(cfg: Config) -> str:
     loads = verifier_loads(cfg)
-    return (f"{sum(loads.values())} in all (" + ", ".join(f"stage {n}: {k}" for n, k in
-                                                        loads.items()) + "; stages 03-05 none)")
+    return (f"{sum(loads.values())} in all (" + ", ".join(
+        f"stage {n}: {k}" for n, k in loads.items() if k or n != "04")
+        + f"; stages 03{'' if loads['04'] else '-04'} and 05 none)")
 
 
 def _proposals(cfg: Config, disk: dict[str, float], d: dict[str, Any]) -> list[str]:
     need = disk[cfg.hidden_states.dtype]
-    if need < 1e12:
+    if need < 1e12 or cfg.hidden_states.mode == "stream":
         return []
     per_sample = need / max(d["prompts"], 1)
     return [f"   !! {need / 1e12:.1f} TB of hidden states: consider hidden_states.dtype=fp8_e4m3 "
-            f"({disk['fp8_e4m3'] / 1e12:.1f} TB), or a first run of "
-            f"data.num_samples={int(1e12 / per_sample)} (~1 TB) before the full one"]
+            f"({disk['fp8_e4m3'] / 1e12:.1f} TB), hidden_states.mode=stream (no data set on "
+            f"disk), or a first run of data.num_samples={int(1e12 / per_sample)} (~1 TB) "
+            f"before the full one"]
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -141,7 +141,9 @@ STAGES: dict[int, StageSpec] = {
         "verifier.dtype (hf engine)": _hf_generation("verifier.dtype")}),
     2: StageSpec("02_hidden_states", "02_extract_hidden_states.py", (1,), {
         "verifier.aux_layer_ids": lambda c: list(c.verifier_info.aux_layer_ids),
-        "hidden_states.dtype": None, "hidden_states.backend": None,
+        "hidden_states.dtype": None, "hidden_states.backend": None, "hidden_states.mode": None,
+        "hidden_states.check_samples (mode=stream)":
+            lambda c: c.hidden_states.check_samples if c.hidden_states.mode == "stream" else None,
         "verifier.dtype (hf backend)":
             lambda c: c.verifier.dtype if c.hidden_states.backend == "hf" else None,
         "train.measure_samples (base_aux_convention=measure)":
@@ -205,7 +207,9 @@ def _leaf_diffs(key: str, then: Any, now: Any) -> list[str]:
                 for d in _leaf_diffs(f"{key}.{k}", then.get(k, _ABSENT), now.get(k, _ABSENT))]
     if then is _ABSENT:
         default = field_default(key.split(" (")[0])
-        if default is NO_DEFAULT or now == default:
+        # None is a conditional key that does not apply (e.g. a stream-only setting in store
+        # mode): an output made before the key existed was made without it.
+        if default is NO_DEFAULT or now == default or now is None:
             # a setting added since, whose default is what the output was made with; or a
             # derived fact tracked since (data file digests), which an older output cannot be
             # judged by

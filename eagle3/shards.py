@@ -87,6 +87,17 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return x.reshape(q.shape)
 
 
+def decode(input_ids: torch.Tensor, loss_mask: torch.Tensor,
+           states: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One sample as stage 04 reads it, from its stored tensors (`encode`'s output): fp8 aux
+    dequantized, the rest as stored. Stored and streamed samples both come through here."""
+    aux = states["aux"]
+    if aux.dtype == torch.float8_e4m3fn:
+        aux = dequantize_fp8(aux, states["aux_scale"])
+    return {"input_ids": input_ids.long(), "loss_mask": loss_mask.long(), "aux": aux,
+            "final": states["final"]}
+
+
 def encode(aux: torch.Tensor, final: torch.Tensor, dtype: str,
            n_aux: int) -> dict[str, torch.Tensor]:
     """The stored tensors of one sample's states."""
@@ -200,6 +211,9 @@ class HiddenStates:
         if self.index.get("format") != FORMAT:
             raise StageError(f"{index_path}: format {self.index.get('format')!r}, this reader "
                              f"knows {FORMAT!r}; redo stage 02 with --restart")
+        if self.index.get("mode") == "stream":
+            raise StageError(f"{index_path}: stage 02 ran with hidden_states.mode=stream and "
+                             f"stored no states (eagle3.stream computes them while training)")
         self._handles: dict[int, Any] = {}
         self._where: list[tuple[int, int]] = []  # sample -> (shard, local index)
         self._offsets: list[list[int]] = []
@@ -268,13 +282,14 @@ class HiddenStates:
         k, j = self._where[i]
         s, e = self._offsets[k][j], self._offsets[k][j + 1]
         f = self._open(k)
-        aux = f.get_slice("aux")[s:e]
-        if aux.dtype == torch.float8_e4m3fn:
-            aux = dequantize_fp8(aux, f.get_slice("aux_scale")[s:e])
-        return {"input_ids": f.get_slice("input_ids")[s:e].long(),
-                "loss_mask": f.get_slice("loss_mask")[s:e].long(),
-                "aux": aux,
-                "final": f.get_slice("final")[s:e]}
+        states = {name: f.get_slice(name)[s:e] for name in ("aux", "final")}
+        if states["aux"].dtype == torch.float8_e4m3fn:
+            states["aux_scale"] = f.get_slice("aux_scale")[s:e]
+        return decode(f.get_slice("input_ids")[s:e], f.get_slice("loss_mask")[s:e], states)
+
+    def get(self, group: list[int]) -> list[dict[str, torch.Tensor]]:
+        """The samples of one micro-batch."""
+        return [self[i] for i in group]
 
 
 # ---------------------------------------------------------------------------------------------

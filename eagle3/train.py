@@ -16,6 +16,7 @@ the last good checkpoint; nothing non-finite is ever saved.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -38,6 +39,8 @@ from eagle3.model import DraftModelConfig, Eagle3DraftModel
 from eagle3.runs import (Stage, StageError, atomic_write_json, atomic_write_text,
                          and_more, clean_stale_tmp, config_changes, depends_on, is_rank0)
 from eagle3.shards import HiddenStates, pack
+from eagle3.stream import (STATE_CACHE, Producer, StateCache, StreamedStates, is_streamed,
+                           open_streamed)
 from eagle3.teacher import TeacherCache, VerifierHead
 from eagle3.ttt import StepStats, TTTObjective, TTTSpec, prepare_batch, ttt_forward
 from eagle3.verifier import lazy_tensor, load_lazy, read_tensor
@@ -73,7 +76,7 @@ def split_indices(ids: list[str], val_fraction: float, seed: int) -> tuple[list[
     return train, val
 
 
-def check_fits(data: HiddenStates, budget: int) -> None:
+def check_fits(data: HiddenStates | StreamedStates, budget: int) -> None:
     """Every sample's supervised tokens must fit one micro-batch: a longer sample is cut to
     `train.batch_tokens`, and the answer tokens past the cut would train nothing, silently."""
     cut = [i for i in range(len(data)) if data.supervised_end(i) > budget]
@@ -346,7 +349,7 @@ class Trainer:
     """Everything one training run holds (built by `setup`)."""
     stage: Stage
     ctx: dist.DistContext
-    data: HiddenStates
+    data: HiddenStates | StreamedStates
     lengths: list[int]
     train_idx: list[int]
     val_idx: list[int]
@@ -366,7 +369,9 @@ class Trainer:
     bf16: bool = False
     tb: Any = None
     teacher_cache: TeacherCache = field(default_factory=TeacherCache)
-    prefetch: Optional["Prefetcher"] = None
+    producer: Optional[Producer] = None
+    resources: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+    """What the data holds open (a streamed run's verifier or capture server)."""
 
     @property
     def tc(self) -> Any:
@@ -378,45 +383,24 @@ class Trainer:
 
     def batch(self, group: list[int], loss_on: Optional[str] = None,
               temperature: Optional[float] = None) -> Any:
-        samples = self.prefetch.take(group) if self.prefetch else None
-        return prepare_batch(samples or [self.data[i] for i in group], self.tc.batch_tokens,
+        samples = self.producer.take(group) if self.producer else None
+        return prepare_batch(samples or self.data.get(group), self.tc.batch_tokens,
                              self.ctx.device, self.dtype, self.head, loss_on, temperature,
                              keys=group, cache=self.teacher_cache)
-
-
-class Prefetcher:
-    """Reads the samples of the micro-batches this rank trains on next in a background thread
-    (from its own handles on the shards), while the current step computes: the disk is read
-    one optimizer step ahead, never more. Reads are pure, so nothing changes but the wait."""
-
-    def __init__(self, directory: Path) -> None:
-        import concurrent.futures
-        self.data = HiddenStates(directory)
-        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefetch")
-        self.pending: dict[tuple[int, ...], Any] = {}
-
-    def ahead(self, groups: list[list[int]]) -> None:
-        for group in groups:
-            key = tuple(group)
-            if key not in self.pending:
-                self.pending[key] = self.pool.submit(lambda g=group: [self.data[i] for i in g])
-
-    def take(self, group: list[int]) -> Optional[list[dict[str, torch.Tensor]]]:
-        future = self.pending.pop(tuple(group), None)
-        return future.result() if future is not None else None
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
-        self.pending.clear()
 
 
 # ---------------------------------------------------------------------------------------------
 # Setup and resume
 
 
-def _load_data(stage: Stage) -> HiddenStates:
+def _load_data(stage: Stage, ctx: dist.DistContext,
+               resources: contextlib.ExitStack) -> HiddenStates | StreamedStates:
+    """Stage 02's stored states, or (stream mode) the verifier computing them on demand."""
     cfg = stage.cfg
-    data = HiddenStates(stage.upstream(2).dir, stage.upstream(2).command("--repair"))
+    if is_streamed(stage):
+        data = open_streamed(stage, ctx, resources)
+    else:
+        data = HiddenStates(stage.upstream(2).dir, stage.upstream(2).command("--repair"))
     if not data.final_is_post_norm:
         raise StageError("02_hidden_states stored pre-norm final states; this trainer expects "
                          "post-norm (rerun 02_extract_hidden_states.py --restart)")
@@ -429,13 +413,23 @@ def _load_data(stage: Stage) -> HiddenStates:
 
 def setup(stage: Stage) -> Trainer:
     """Data, split, schedule, model (fresh or fine-tuned), parallel wrap and optimizer."""
-    cfg, tc = stage.cfg, stage.cfg.train
+    tc = stage.cfg.train
     stage.require(2)
     stage.require(3)
     if tc.tensorboard:
         _tensorboard_writer_class()  # fail on every rank before any work, not later on rank 0
     ctx = dist.init(tc.device, tc.collective_timeout_min)
-    data = _load_data(stage)
+    resources = contextlib.ExitStack()
+    try:
+        return _setup(stage, ctx, resources)
+    except BaseException:
+        resources.close()  # a streamed run's verifier or capture server goes with the error
+        raise
+
+
+def _setup(stage: Stage, ctx: dist.DistContext, resources: contextlib.ExitStack) -> Trainer:
+    cfg, tc = stage.cfg, stage.cfg.train
+    data = _load_data(stage, ctx, resources)
     d2t, t2d = load_vocab(stage.upstream(3).dir, stage.upstream(3).command("--repair"))
     lm_head = read_tensor(cfg.verifier_path, "lm_head").to(ctx.device, torch.float32)
     lengths = [data.num_tokens(i) for i in range(len(data))]
@@ -456,7 +450,8 @@ def setup(stage: Stage) -> Trainer:
     t = Trainer(stage, ctx, data, lengths, train_idx, val_idx,
                 VerifierHead.of(lm_head, torch.arange(len(d2t)) + d2t), model, total,
                 steps_per_epoch, parallel, base_info, bf16=tc.autocast == "bf16" or (
-                    tc.autocast == "auto" and ctx.device.type == "cuda"))
+                    tc.autocast == "auto" and ctx.device.type == "cuda"),
+                resources=resources)
     # Resume weights go in before any wrapping: every rank reads the same full checkpoint.
     saved = _load_latest(t)
     t.objective = dist.wrap(TTTObjective(model, TTTSpec.of(tc)), parallel, ctx)
@@ -467,6 +462,18 @@ def setup(stage: Stage) -> Trainer:
         t.optimizer, lr_lambda(total, tc.warmup_ratio, tc.min_lr_ratio))
     if saved is not None:
         _restore(t, saved)
+    if isinstance(data, StreamedStates) and cfg.hidden_states.cache_gb > 0:
+        if ctx.is_main:  # before any rank writes to it
+            clean_stale_tmp(stage.dir / STATE_CACHE)
+        dist.barrier()
+        order = [i for g in epoch_batches(lengths, train_idx, tc.batch_tokens, tc.seed, 0)
+                 for i in g]
+        data.cache = StateCache.plan(stage.dir / STATE_CACHE, order, lengths,
+                                     data.index["bytes_per_token"], cfg.hidden_states.cache_gb)
+        dist.log0("state cache: %d of %d training samples (up to %.3f GB) kept in %s after "
+                  "their first computation; the rest are streamed every epoch",
+                  len(data.cache.keep), len(train_idx), cfg.hidden_states.cache_gb,
+                  stage.dir / STATE_CACHE)
     return t
 
 
@@ -543,12 +550,18 @@ def smoke(stage: Stage) -> None:
     rank packed from the longest training samples (the heaviest micro-batch the run will see):
     peak memory next to the plan's prediction, and tokens/s of the second step. No checkpoint,
     metric or manifest is written; the weights are dropped."""
+    t = setup(stage)
+    with t.resources:
+        _smoke(t)
+    dist.destroy()
+
+
+def _smoke(t: Trainer) -> None:
     import resource
 
     from eagle3.plan import GB, training_memory
 
-    t = setup(stage)
-    tc, ctx = t.tc, t.ctx
+    stage, tc, ctx = t.stage, t.tc, t.ctx
     group, tokens = [], 0
     for i in sorted(t.train_idx, key=lambda i: -t.lengths[i]):
         n = min(t.lengths[i], tc.batch_tokens)
@@ -584,7 +597,6 @@ def smoke(stage: Stage) -> None:
              "process in the second step; peak over ranks %.2f GB; nothing written",
              len(group), tokens, longest, tc.ttt_steps, where, predicted, rates[-1],
              max(peaks) / GB)
-    dist.destroy()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -703,15 +715,27 @@ def run_train(stage: Stage) -> None:
     finish."""
     started = time.time()
     t = setup(stage)
-    tc, state = t.tc, t.state
-    if t.ctx.is_main:
+    with t.resources:
+        _train_loop(t)
+    finish(t, started)
+
+
+def _train_loop(t: Trainer) -> None:
+    stage, tc, ctx = t.stage, t.tc, t.ctx
+    if ctx.is_main:
         _truncate_metrics(stage.dir / "metrics.jsonl", t.state.step)
     _log_start(t)
-    t.tb = _tensorboard(stage.dir, t.state.step) if tc.tensorboard and t.ctx.is_main else None
+    t.tb = _tensorboard(stage.dir, t.state.step) if tc.tensorboard and ctx.is_main else None
     log_window = _LogWindow(t)
-    t.prefetch = Prefetcher(stage.upstream(2).dir)
+    streamed = isinstance(t.data, StreamedStates)
+    # Stored: this step's and the next step's micro-batches are read from the disk (own file
+    # handles) while this one computes. Streamed: the verifier runs `stream_ahead` ahead.
+    per_step = tc.grad_accum * ctx.world_size
+    depth = stage.cfg.hidden_states.stream_ahead if streamed else 2 * tc.grad_accum
+    t.producer = Producer(t.data.get if streamed else HiddenStates(stage.upstream(2).dir).get,
+                          depth)
+    flow = _DataFlow(t, "stream" if streamed else "store", depth)
     batches, batches_epoch = [], -1
-    per_step = tc.grad_accum * t.ctx.world_size
     while t.state.step < t.total_steps:
         state = t.state
         if batches_epoch != state.epoch:
@@ -719,13 +743,16 @@ def run_train(stage: Stage) -> None:
             batches_epoch = state.epoch
         at = state.batch_in_epoch
         groups = batches[at:at + per_step]
-        # the next step's share of this rank is read while this step computes
-        t.prefetch.ahead(batches[at + per_step:at + 2 * per_step][t.ctx.rank::t.ctx.world_size])
+        # this rank's micro-batches from this step on, in the order it trains on them
+        t.producer.ahead(batches[at:at + depth * ctx.world_size][ctx.rank::ctx.world_size])
+        step_started = time.perf_counter()
         stats, grad_norm = train_step(t, groups)
+        flow.step(time.perf_counter() - step_started, groups[ctx.rank::ctx.world_size])
         state.step += 1
         state.tokens_seen += sum(min(t.lengths[i], tc.batch_tokens) for g in groups for i in g)
         state.batch_in_epoch += len(groups)
         if state.batch_in_epoch >= len(batches):
+            flow.record(state.epoch)
             state.epoch, state.batch_in_epoch = state.epoch + 1, 0
             t.teacher_cache.share()
         record = {"step": state.step, "epoch": state.epoch, "lr": t.scheduler.get_last_lr()[0],
@@ -738,8 +765,66 @@ def run_train(stage: Stage) -> None:
         log_window.add(stats, record, val)
         if val is not None:
             save(t, val)
-    t.prefetch.close()
-    finish(t, started)
+    flow.record(t.state.epoch, partial=True)
+    t.producer.close()
+
+
+DATA_FLOW = "data_flow.jsonl"
+
+
+class _DataFlow:
+    """Per epoch, where the time went (rank 0's view, appended to `04_train/data_flow.jsonl`):
+    the producer's capacity (tokens/s it delivers while working), the trainer's (tokens/s it
+    trains while not waiting) and the fraction of step time the trainer waited on data. Kept
+    apart from metrics.jsonl, which must be identical between a run and its resumed copy."""
+
+    def __init__(self, t: Trainer, mode: str, depth: int) -> None:
+        self.t, self.mode, self.depth = t, mode, depth
+        self.step_s, self.tokens, self.steps = 0.0, 0, 0
+        self.captured = self._captured()
+
+    def _captured(self) -> tuple[int, int]:
+        data = self.t.data
+        return (data.captured_tokens, data.cached_tokens) \
+            if isinstance(data, StreamedStates) else (0, 0)
+
+    def step(self, seconds: float, mine: list[list[int]]) -> None:
+        self.step_s += seconds
+        self.tokens += sum(self.t.lengths[i] for g in mine for i in g)
+        self.steps += 1
+
+    def record(self, epoch: int, partial: bool = False) -> None:
+        t = self.t
+        w = t.producer.window()
+        if self.steps == 0:
+            return
+        busy_trainer = max(self.step_s - w["waited_s"], 1e-9)
+        rec = {"epoch": epoch, "step": t.state.step, "partial": partial, "mode": self.mode,
+               "steps": self.steps, "step_s": round(self.step_s, 3),
+               "waited_s": round(w["waited_s"], 3),
+               "wait_fraction": round(w["waited_s"] / max(self.step_s, 1e-9), 4),
+               "producer_tokens_per_s": round(w["producer_tokens"] / max(
+                   w["producer_busy_s"], 1e-9), 1),
+               "trainer_tokens_per_s": round(self.tokens / busy_trainer, 1),
+               "buffer_bound": self.depth, "buffer_max": t.producer.max_pending}
+        if self.mode == "stream":  # what the verifier computed (validation included)
+            now = self._captured()
+            rec["verifier_tokens"], rec["cache_read_tokens"] = (
+                now[0] - self.captured[0], now[1] - self.captured[1])
+            self.captured = now
+            cache = t.data.cache
+            rec["cache_bytes"] = cache.bytes() if cache else 0
+        bottleneck = ("the producer (verifier)" if self.mode == "stream" else "the disk") \
+            if rec["wait_fraction"] > 0.05 else "the trainer"
+        log.info("epoch %d%s data flow (%s): producer %.0f tok/s, trainer %.0f tok/s, the "
+                 "trainer waited %.1f%% of %.1f s: %s is the bottleneck", epoch,
+                 " (partial)" if partial else "", self.mode, rec["producer_tokens_per_s"],
+                 rec["trainer_tokens_per_s"], 100 * rec["wait_fraction"], self.step_s,
+                 bottleneck)
+        if t.ctx.is_main:
+            with open(t.stage.dir / DATA_FLOW, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        self.step_s, self.tokens, self.steps = 0.0, 0, 0
 
 
 def _log_start(t: Trainer) -> None:
@@ -808,6 +893,9 @@ def finish(t: Trainer, started: float) -> None:
                              f"`{stage.command('--repair')}`")
     metrics = stage.dir / "metrics.jsonl"
     final_val = json.loads(metrics.read_text().splitlines()[-1]).get("val")
+    flow_path = stage.dir / DATA_FLOW
+    flow = [json.loads(line) for line in flow_path.read_text().splitlines()] \
+        if flow_path.is_file() else []
     _plot_metrics(stage.dir)
     stage.write_manifest(
         inputs={"02_hidden_states": stage.upstream_hash(2), "03_vocab": stage.upstream_hash(3)},
@@ -820,7 +908,9 @@ def finish(t: Trainer, started: float) -> None:
                 "aux_layer_ids": list(stage.cfg.verifier_info.aux_layer_ids)},
         files=file_records(stage.dir, sorted({latest, best, stage.dir / "best",
                                               stage.dir / "latest"})),
-        started=started, final_val=final_val, finetune_from=t.base_info or None)
+        started=started, final_val=final_val, finetune_from=t.base_info or None,
+        hidden_states_mode="stream" if isinstance(t.data, StreamedStates) else "store",
+        data_flow=flow)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -583,7 +583,7 @@ def test_vllm_backend_same_shards_as_hf(hs_config, fake_vllm):
                                                                    dtype="bfloat16"))
     _stage01(hf_cfg)
     run_extract(Stage(hf_cfg, 2))
-    cfg = _vllm_config(hs_config, server_url=fake_vllm.url, concurrency=3)
+    cfg = _vllm_config(hs_config, server_urls=[fake_vllm.url], concurrency=3)
     ids, _ = _stage01(cfg)
     stage = Stage(cfg, 2)
     run_extract(stage)
@@ -632,7 +632,7 @@ def test_vllm_backend_starts_the_engine(hs_config, fake_vllm, monkeypatch):
 
 def test_vllm_reply_without_connector_fails_loudly(hs_config, fake_vllm):
     fake_vllm.drop_kv_params = True
-    cfg = _vllm_config(hs_config, server_url=fake_vllm.url)
+    cfg = _vllm_config(hs_config, server_urls=[fake_vllm.url])
     _stage01(cfg)
     with pytest.raises(StageError, match="hidden_states_path"):
         run_extract(Stage(cfg, 2))

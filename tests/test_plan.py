@@ -103,7 +103,7 @@ def test_the_plan_counts_verifier_loads_and_names_untrained_draft_positions():
     from eagle3.plan import served_beyond_trained, verifier_loads
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "kimi-k2.5.yaml")
     depths = sum(len(e.parsed_depths) + e.serves_baseline for e in cfg.bench.engines)
-    assert verifier_loads(cfg) == {"01": 1, "02": 1, "06": depths}
+    assert verifier_loads(cfg) == {"01": 1, "02": 1, "04": 0, "06": depths}
     assert "draft positions 8-16 were never trained" in served_beyond_trained(cfg)
     external = load_config(Path(__file__).resolve().parents[1] / "configs" / "kimi-k2.5.yaml",
                            ["generate.server_urls=[http://n1:8000]", "train.ttt_steps=16"])
@@ -137,3 +137,29 @@ def test_remote_code_this_transformers_lacks_fails_the_preflight(tmp_path, kimi_
     (verifier / "config.json").write_text(json.dumps(config))
     broken = _final_norm_verdict(cfg)
     assert broken.ok is False, broken.detail
+
+
+def test_the_plan_weighs_storing_against_streaming():
+    """Store pays the disk and one verifier pass, stream a pass per epoch: with the disk, more
+    than one epoch makes storing cheaper; without it, or at one epoch, streaming is."""
+    from eagle3.config import load_config
+    from eagle3.plan import store_or_stream, verifier_facts, verifier_loads
+    kimi = Path(__file__).resolve().parents[1] / "configs" / "kimi-k2.5.yaml"
+    cfg = load_config(kimi, ["plan.extract_tok_s=2000", "train.epochs=3"])
+    info, _ = verifier_facts(cfg)
+    tokens, stored = 72e6, 4.0e12
+    roomy = store_or_stream(cfg, info, tokens, stored, (10 ** 14, Path("/big")))
+    assert roomy["cheaper"] == "store"
+    assert "it saves 20.0 verifier hours for 4.000 TB" in "\n".join(roomy["lines"])
+    assert "30.0 verifier hours" in roomy["lines"][2] and "10.0 verifier hours" in \
+        roomy["lines"][1]
+    assert roomy["disk"]["stream"] < 1e10
+    full = store_or_stream(cfg, info, tokens, stored, (10 ** 12, Path("/small")))
+    assert full["cheaper"] == "stream" and "1.00 TB is free at /small" in full["lines"][-1]
+    once = load_config(kimi, ["train.epochs=1"])
+    assert store_or_stream(once, info, tokens, stored, (10 ** 14, Path("/big")))["cheaper"] == \
+        "stream"
+    streamed = load_config(kimi, ["hidden_states.mode=stream"])
+    assert verifier_loads(streamed)["04"] == 1
+    assert verifier_loads(load_config(kimi, ["hidden_states.mode=stream",
+                                             "hidden_states.server_urls=[http://n2:8000]"]))["04"] == 0
