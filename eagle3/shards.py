@@ -190,7 +190,31 @@ def write_shard(out_dir: Path, k: int, ids: list[str], input_ids: list[list[int]
 # Reader
 
 
-class HiddenStates:
+class IndexFacts:
+    """What stage 02's `index.json` says about the states, for both readers of them (stored:
+    `HiddenStates`; streamed: eagle3.stream.StreamedStates)."""
+    index: dict[str, Any]
+
+    @property
+    def aux_layer_ids(self) -> list[int]:
+        """Aux ids as HF `output_hidden_states` indices."""
+        return list(self.index["aux_layer_ids"])
+
+    @property
+    def final_is_post_norm(self) -> bool:
+        return self.index["final_state"] == FINAL_STATE
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.index["hidden_size"])
+
+    @property
+    def dtype(self) -> str:
+        """Storage dtype: float32, bfloat16 or fp8_e4m3."""
+        return str(self.index["dtype"])
+
+
+class HiddenStates(IndexFacts):
     """Random access to the samples of a finished `02_hidden_states/` directory.
 
     Reads only the requested sample's rows of each tensor (safetensors slices), so a sample
@@ -245,24 +269,6 @@ class HiddenStates:
             self._handles[k] = safe_open(str(self.dir / self.index["shards"][k]["file"]),
                                          framework="pt")
         return self._handles[k]
-
-    @property
-    def aux_layer_ids(self) -> list[int]:
-        """Aux ids as HF `output_hidden_states` indices."""
-        return list(self.index["aux_layer_ids"])
-
-    @property
-    def final_is_post_norm(self) -> bool:
-        return self.index["final_state"] == FINAL_STATE
-
-    @property
-    def hidden_size(self) -> int:
-        return int(self.index["hidden_size"])
-
-    @property
-    def dtype(self) -> str:
-        """Storage dtype: float32, bfloat16 or fp8_e4m3."""
-        return str(self.index["dtype"])
 
     def __len__(self) -> int:
         return len(self._where)

@@ -35,7 +35,7 @@ import torch
 
 from eagle3 import dist
 from eagle3.runs import Stage, StageError
-from eagle3.shards import FINAL_STATE, INDEX, HiddenStates, decode, encode
+from eagle3.shards import INDEX, HiddenStates, IndexFacts, decode, encode
 
 log = logging.getLogger("eagle3")
 
@@ -47,7 +47,7 @@ the producer may show (batching noise of a bf16 forward is a few bf16 steps, 2^-
 Sample = dict[str, torch.Tensor]
 
 
-class StreamedStates:
+class StreamedStates(IndexFacts):
     """Stage 01's samples whose hidden states the verifier computes when asked; the reader
     interface of `HiddenStates` (ids, lengths, supervised ends, `get`). Thread-safe: one group is
     captured at a time (the capture backend's hooks hold one forward's states)."""
@@ -77,11 +77,6 @@ class StreamedStates:
         ends = np.zeros(len(self.ids), dtype=np.int64)
         np.maximum.at(ends, rows, on - offsets[rows] + 1)
         self._supervised_end = ends.tolist()
-
-    aux_layer_ids = property(lambda self: list(self.index["aux_layer_ids"]))
-    final_is_post_norm = property(lambda self: self.index["final_state"] == FINAL_STATE)
-    hidden_size = property(lambda self: int(self.index["hidden_size"]))
-    dtype = property(lambda self: str(self.index["dtype"]))
 
     def __len__(self) -> int:
         return len(self.ids)
