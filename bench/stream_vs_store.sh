@@ -43,8 +43,8 @@ for mode in ("store", "stream"):
     cells = json.load(open(run / "06_bench/results.json"))["results"]
     acc = {r["temperature"]: round(r["mean_acceptance_length"], 3) for r in cells if r["depth"]}
     disk = sum(f.stat().st_size for f in (run / "02_hidden_states").rglob("*") if f.is_file())
-    print(f"{mode}: stage 02 {hs.get("elapsed_s")} s, {disk / 1e6:.1f} MB on disk; stage 04 "
-          f"{train.get("elapsed_s")} s, best val est {train['counts']['best_val_est_accept_len']:.3f}; "
+    print(f"{mode}: stage 02 {hs['timings']['seconds']} s, {disk / 1e6:.1f} MB on disk; stage 04 "
+          f"{train['timings']['seconds']} s, best val est {train['counts']['best_val_est_accept_len']:.3f}; "
           f"vLLM K=3 acceptance by T {acc}")
     for r in train.get("data_flow", []):
         print("   ", {k: r[k] for k in ("epoch", "step_s", "wait_fraction", "producer_tokens_per_s",

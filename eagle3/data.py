@@ -62,6 +62,10 @@ class NonPrefixTemplateError(ChatTemplateError):
     """Rendering a prefix of the conversation is not a prefix of rendering all of it."""
 
 
+class HubUnreachable(StageError):
+    """An `hf:` source that cannot be loaded here (offline, or a wrong name/split/subset)."""
+
+
 class BadRow(ValueError):
     """A source row that cannot become a conversation; `kind` is a short stable key."""
 
@@ -205,11 +209,13 @@ def source_rows(source: SourceConfig) -> tuple[str, Iterator[dict[str, Any] | Un
         name = spec[len(HUB_PREFIX):]
         from datasets import load_dataset
         try:
-            ds = load_dataset(name, split=source.split)
+            ds = load_dataset(name, source.subset, split=source.split)
         except Exception as e:  # offline, unknown name, missing split: many exception types
-            raise StageError(f"data.sources: cannot load hub dataset {name} split "
-                             f"{source.split} ({type(e).__name__}: {str(e)[:200]}); check the "
-                             f"name, or download it and give the local path") from None
+            raise HubUnreachable(f"data.sources: cannot load hub dataset {name}"
+                                 + (f" ({source.subset})" if source.subset else "")
+                                 + f" split {source.split} ({type(e).__name__}: "
+                                 f"{str(e)[:200]}); check the name, or download it and give "
+                                 f"the local path") from None
         return source.name or name.split("/")[-1], iter(ds)
     path = Path(expand_path(spec))
     prefix = source.name or path.name
@@ -258,8 +264,15 @@ def detect_format(row: dict[str, Any]) -> str:
                  "instruction")
 
 
-def row_turns(row: dict[str, Any], fmt: str = "auto") -> list[dict[str, str]]:
-    """All turns of a source row as [{role, content}] with roles system/user/assistant."""
+def row_turns(row: dict[str, Any], fmt: str = "auto",
+              prompt_field: str | None = None) -> list[dict[str, str]]:
+    """All turns of a source row as [{role, content}] with roles system/user/assistant;
+    `prompt_field` names the column of a prompt row's prompt when it is not `prompt`."""
+    if prompt_field is not None:
+        if not isinstance(row.get(prompt_field), str):
+            raise BadRow("unknown_format", f"row has no `{prompt_field}` string "
+                         f"(data.sources[].prompt_field)")
+        row, fmt = {**row, "prompt": row[prompt_field]}, "prompt"
     fmt = detect_format(row) if fmt == "auto" else fmt
     if fmt == "prompt":
         prompt = row.get("prompt")
@@ -353,6 +366,8 @@ class PromptSet:
     """Source rows that cannot become a prompt: {"id", "source", "kind", "reason"}."""
     stats: dict[str, Any] = field(default_factory=dict)
     """Per-source counts: read, skipped (by kind), filtered by reason, usable, selected."""
+    assumed: int = 0
+    """Prompts counted for `hf:` sources that could not be read (load_prompts' unreachable_ok)."""
 
 
 def _allocate(num: int, weights: list[float], available: list[int]) -> list[int]:
@@ -409,8 +424,8 @@ def _read_source(source: SourceConfig, data: DataConfig, seen: set[bytes]
         # The record index keeps ids unique even where a source repeats its own ids.
         rid = f"{name}:{index}" + (f":{rec_id}" if isinstance(rec_id, (str, int)) else "")
         try:
-            messages = prompt_turns(row_turns(record, source.format), data.max_user_turns,
-                                    data.system_prompt)
+            messages = prompt_turns(row_turns(record, source.format, source.prompt_field),
+                                    data.max_user_turns, data.system_prompt)
         except BadRow as e:
             skip(rid, e.kind, str(e))
             continue
@@ -443,35 +458,46 @@ def _filtered(messages: list[dict[str, str]], data: DataConfig, seen: set[bytes]
     return None
 
 
-def load_prompts(data: DataConfig) -> PromptSet:
+def load_prompts(data: DataConfig, unreachable_ok: bool = False) -> PromptSet:
     """Read, check, filter, dedup, shuffle and weight the prompts of `data.sources`.
 
     Deterministic for a config: each source is shuffled with `data.seed` (before its `limit`),
-    and the weighted mix is shuffled with `data.seed`.
+    and the weighted mix is shuffled with `data.seed`. With `unreachable_ok` (the plan, on a
+    machine that is offline), an `hf:` source that cannot be loaded is assumed to fill its
+    weighted share: its stats say `unreachable` and `assumed` counts the prompts not read.
     """
     seen: set[bytes] = set()
     per_source, skipped, stats = [], [], {}
     sources = data.source_configs
     for source in sources:
-        name, rows, bad, st = _read_source(source, data, seen)
+        try:
+            name, rows, bad, st = _read_source(source, data, seen)
+        except HubUnreachable as e:
+            if not unreachable_ok:
+                raise
+            name = source.name or source.path.split("/")[-1]
+            rows, bad, st = [], [], {"unreachable": str(e), "usable": None}
         per_source.append(rows)
         skipped += bad
         stats[name] = st
     quota = _allocate(data.num_samples, [s.weight for s in sources],
-                      [len(r) for r in per_source])
+                      [data.num_samples if st.get("unreachable") else len(r)
+                       for r, st in zip(per_source, stats.values())])
     selected: list[dict[str, Any]] = []
+    assumed = 0
     for rows, q, st in zip(per_source, quota, stats.values()):
         selected += rows[:q]
+        assumed += q if st.get("unreachable") else 0
         st["selected"] = q
     random.Random(data.seed).shuffle(selected)
-    if not selected:
+    if not selected and not assumed:
         raise StageError(f"data.sources: no usable prompt ({len(skipped)} rows skipped; first "
                          f"user turn {data.min_chars}-{data.max_chars} chars); check the "
                          f"sources and filters")
-    if len(selected) < data.num_samples:
-        log.warning("prompts: only %d usable prompts for data.num_samples=%d", len(selected),
-                    data.num_samples)
-    return PromptSet(rows=selected, skipped=skipped, stats=stats)
+    if len(selected) + assumed < data.num_samples:
+        log.warning("prompts: only %d usable prompts for data.num_samples=%d",
+                    len(selected) + assumed, data.num_samples)
+    return PromptSet(rows=selected, skipped=skipped, stats=stats, assumed=assumed)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -34,6 +34,8 @@ only those. The merge writes, under `01_data/`:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import copy
 import contextlib
 import hashlib
 import json
@@ -561,12 +563,15 @@ def run_generate(stage: Stage) -> None:
 
     progress = Progress(total=len(convs), initial=len(convs) - len(todo))
     writer = ShardWriter(shard_dir, g.shard_rows)
+    early = EarlyTokenizer(stage, tok)
+    early.submit([done[c.id] for c in convs if c.id in done])
     failed: list[str] = []
 
     def emit(rows: list[dict[str, Any]], tokens: int) -> None:
-        writer.write(rows)
+        writer.write(rows)  # on disk before it counts as done
         for r in rows:
             done[r["id"]] = r
+        early.submit(rows)
         progress.update(len(rows), tokens)
 
     try:
@@ -575,13 +580,21 @@ def run_generate(stage: Stage) -> None:
         elif todo:
             with generation_servers(stage) as urls:
                 failed = asyncio.run(_serve_all(stage, tok, urls, todo, emit, progress.begin))
+    except BaseException:
+        early.cancel()
+        raise
     finally:
         writer.close()
         speed = progress.close()
     if failed:
+        early.cancel()
         raise StageError(f"{len(failed)} conversations failed after {g.max_retries} retries "
                          f"(first: {failed[0][:300]}); the others are saved: rerun to retry them")
-    _merge(stage, prompts, tok, convs, done, sampling, speed, started)
+    t0 = time.time()
+    tokenized = early.wait()
+    log.info("stage 01: tokenization overlapped generation; %.1f s left for it after the "
+             "last answer", time.time() - t0)
+    _merge(stage, prompts, tok, convs, done, sampling, speed, started, tokenized)
 
 
 # Kinds of left-out rows that mean something went wrong; every other kind is a row left out by
@@ -601,57 +614,115 @@ class _Samples:
     truncated: int = 0
     split: int = 0
 
+
+@dataclass
+class _RowSamples:
+    """What one finished conversation gives the dataset: its samples, or why it gives none."""
+    samples: list[tuple[str, list[int], list[int]]] = field(default_factory=list)
+    left_out: list[dict[str, Any]] = field(default_factory=list)
+    truncated: int = 0
+    split: bool = False
+    conversation: Optional[dict[str, Any]] = None
+
     def leave_out(self, row: dict[str, Any], kind: str, reason: str,
                   sid: Optional[str] = None) -> None:
         self.left_out.append({"id": sid or row["id"], "source": row["source"], "kind": kind,
                               "reason": reason})
 
 
-def _tokenize_rows(stage: Stage, tok: Any, convs: list[Conversation],
-                   done: dict[str, dict[str, Any]], out: _Samples) -> None:
-    """Every finished conversation -> samples (ids, masks), in prompt order."""
+def _tokenize_row(stage: Stage, tok: Any, stop_ids: set[int],
+                  row: dict[str, Any]) -> _RowSamples:
+    """One finished conversation -> its samples (ids, masks); a pure function of the row."""
     data = stage.cfg.data
+    out = _RowSamples()
+    if "error" in row:
+        out.leave_out(row, row["error_kind"], row["error"])
+        return out
+    messages, unclosed = _cut_turn(stage, row)
+    if not messages:
+        out.leave_out(row, "cut_at_max_new_tokens", "the only answer ended at "
+                      "generate.max_new_tokens (generate.on_length=drop)")
+        return out
+    try:
+        samples, was_split = conversation_samples(tok, messages, stop_ids,
+                                                  data.split_rewritten_turns, unclosed)
+    except NonPrefixTemplateError as e:
+        out.leave_out(row, "non_prefix_template", str(e))
+        return out
+    except ChatTemplateError as e:
+        out.leave_out(row, "template_error", str(e))
+        return out
+    out.split = was_split
+    for k, (toks, mask) in enumerate(samples):
+        sid = f"{row['id']}#{k}" if was_split else row["id"]
+        if len(toks) > data.max_seq_len:
+            if data.truncation == "drop":
+                out.leave_out(row, "too_long", f"{len(toks)} tokens > data.max_seq_len="
+                              f"{data.max_seq_len} (data.truncation=drop)", sid)
+                continue
+            toks, mask = toks[:data.max_seq_len], mask[:data.max_seq_len]
+            out.truncated += 1
+        if not any(mask):
+            out.leave_out(row, "no_assistant_token", f"no assistant token within "
+                          f"data.max_seq_len={data.max_seq_len}", sid)
+            continue
+        out.samples.append((sid, toks, mask))
+    if out.samples:
+        out.conversation = row | ({"samples": len(samples)} if was_split else {})
+    return out
+
+
+class EarlyTokenizer:
+    """Tokenizes and masks each conversation on a thread of its own as soon as it is finished
+    (and those an earlier run finished, from the start), so that tokenization overlaps
+    generation: with a slow Python tokenizer it would otherwise run after the servers have
+    stopped. Results are per row and order-free; the merge assembles them in prompt order."""
+
+    def __init__(self, stage: Stage, tok: Any) -> None:
+        self.stage = stage
+        self.tok = copy.deepcopy(tok)  # the event loop keeps using its own for prompt lengths
+        self.stop_ids = set(stop_token_ids(tok, stage.cfg))
+        self.results: dict[str, _RowSamples] = {}
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        self.futures: list[concurrent.futures.Future] = []
+
+    def submit(self, rows: list[dict[str, Any]]) -> None:
+        self.futures.append(self.pool.submit(self._run, rows))
+
+    def _run(self, rows: list[dict[str, Any]]) -> None:
+        for row in rows:
+            self.results[row["id"]] = _tokenize_row(self.stage, self.tok, self.stop_ids, row)
+
+    def wait(self) -> dict[str, _RowSamples]:
+        """Every submitted row's result; an unexpected error of the thread is raised here."""
+        self.pool.shutdown(wait=True)
+        for f in self.futures:
+            f.result()
+        return self.results
+
+    def cancel(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _tokenize_rows(stage: Stage, tok: Any, convs: list[Conversation],
+                   done: dict[str, dict[str, Any]], out: _Samples,
+                   early: Optional[dict[str, _RowSamples]] = None) -> None:
+    """Every finished conversation -> samples (ids, masks), in prompt order; `early` holds the
+    rows EarlyTokenizer already did."""
     stop_ids = set(stop_token_ids(tok, stage.cfg))
+    early = early or {}
     for c in convs:
         row = done[c.id]
-        if "error" in row:
-            out.leave_out(row, row["error_kind"], row["error"])
-            continue
-        messages, unclosed = _cut_turn(stage, row)
-        if not messages:
-            out.leave_out(row, "cut_at_max_new_tokens", "the only answer ended at "
-                          "generate.max_new_tokens (generate.on_length=drop)")
-            continue
-        try:
-            samples, was_split = conversation_samples(tok, messages, stop_ids,
-                                                      data.split_rewritten_turns, unclosed)
-        except NonPrefixTemplateError as e:
-            out.leave_out(row, "non_prefix_template", str(e))
-            continue
-        except ChatTemplateError as e:
-            out.leave_out(row, "template_error", str(e))
-            continue
-        out.split += was_split
-        kept = 0
-        for k, (toks, mask) in enumerate(samples):
-            sid = f"{row['id']}#{k}" if was_split else row["id"]
-            if len(toks) > data.max_seq_len:
-                if data.truncation == "drop":
-                    out.leave_out(row, "too_long", f"{len(toks)} tokens > data.max_seq_len="
-                                  f"{data.max_seq_len} (data.truncation=drop)", sid)
-                    continue
-                toks, mask = toks[:data.max_seq_len], mask[:data.max_seq_len]
-                out.truncated += 1
-            if not any(mask):
-                out.leave_out(row, "no_assistant_token", f"no assistant token within "
-                              f"data.max_seq_len={data.max_seq_len}", sid)
-                continue
+        res = early.get(c.id) or _tokenize_row(stage, tok, stop_ids, row)
+        out.left_out += res.left_out
+        out.truncated += res.truncated
+        out.split += res.split
+        for sid, toks, mask in res.samples:
             out.ids.append(sid)
             out.input_ids.append(toks)
             out.masks.append(mask)
-            kept += 1
-        if kept:
-            out.conversations.append(row | ({"samples": len(samples)} if was_split else {}))
+        if res.conversation is not None:
+            out.conversations.append(res.conversation)
 
 
 def _cut_turn(stage: Stage, row: dict[str, Any]) -> tuple[list[dict[str, Any]], bool]:
@@ -695,13 +766,13 @@ def _summary(stage: Stage, convs: list[Conversation], s: _Samples, errors: list[
 
 def _merge(stage: Stage, prompts: PromptSet, tok: Any, convs: list[Conversation],
            done: dict[str, dict[str, Any]], sampling: dict[str, Any], speed: dict[str, float],
-           started: float) -> None:
+           started: float, tokenized: Optional[dict[str, _RowSamples]] = None) -> None:
     """Tokenize and mask every finished conversation, write the dataset, the row reports and
     the manifest."""
     out_dir = stage.dir
     s = _Samples(left_out=[{"id": r["id"], "source": r["source"], "kind": r["kind"],
                             "reason": r["reason"]} for r in prompts.skipped])
-    _tokenize_rows(stage, tok, convs, done, s)
+    _tokenize_rows(stage, tok, convs, done, s, tokenized)
     errors = [r for r in s.left_out if r["kind"] in ERROR_KINDS]
     skipped = [r for r in s.left_out if r["kind"] not in ERROR_KINDS]
     _write_jsonl(out_dir / ERRORS, errors)

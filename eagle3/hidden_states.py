@@ -14,7 +14,8 @@ weights are read, each once, straight onto the device that runs it: no lm_head, 
 or MTP layers. Forward hooks keep just the aux layers' outputs. Samples of a shard are
 length-sorted and cut into batches of at most `hidden_states.batch_tokens` padded tokens,
 right-padded, and each sample is sliced back to its own length, so padding is never written.
-Under torchrun each rank writes the shards `k` with `k % world_size == rank`; a shard's bytes
+A writer thread writes, fsyncs and hashes each shard while the next one is captured. Under
+torchrun each rank writes the shards `k` with `k % world_size == rank`; a shard's bytes
 do not depend on the rank count. `hidden_states.device_map=auto` splits the decoder layers
 over this rank's share of the visible GPUs, for a verifier larger than one device.
 
@@ -522,12 +523,34 @@ def capture_backend(stage: Stage, ctx: dist.DistContext,
 
 
 def _extract_shards(stage: Stage, ctx: dist.DistContext, ds: Any, plan: _Plan) -> int:
-    """Capture and write this rank's missing shards; return the bytes written."""
+    """Capture and write this rank's missing shards; return the bytes written.
+
+    A shard is written, fsynced and hashed by a writer thread while the next shard is being
+    captured (the verifier never waits on the disk); at most one shard waits to be written, so
+    memory holds two shards' states at most. Each shard is atomic on its own: a crash loses
+    at most the two in flight, which a rerun redoes.
+    """
     cfg, hs = stage.cfg, stage.cfg.hidden_states
     n_aux = len(plan.facts["aux_layer_ids"])
     written, done_tokens, done_samples = 0, 0, 0
-    with capture_backend(stage, ctx, max(plan.lengths)) as capture_fn:
-        t0 = time.time()
+    t0 = time.time()
+
+    def write(n: int, k: int, ids: list[str], input_ids: list[list[int]],
+              loss_mask: list[list[int]], states: list[dict[str, torch.Tensor]]) -> int:
+        nonlocal done_tokens, done_samples
+        nbytes = write_shard(stage.dir, k, ids, input_ids, loss_mask, states,
+                             plan.facts)["bytes"]
+        done_tokens += sum(len(x) for x in input_ids)
+        done_samples += len(ids)
+        dt = max(time.time() - t0, 1e-9)
+        log.info("rank %d: shard %d written (%d/%d of this rank): %.1f tokens/s, "
+                 "%.2f samples/s", ctx.rank, k, n, len(plan.todo), done_tokens / dt,
+                 done_samples / dt)
+        return nbytes
+
+    with capture_backend(stage, ctx, max(plan.lengths)) as capture_fn, \
+            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shard-writer") as pool:
+        pending: concurrent.futures.Future | None = None
         for n, (k, rows) in enumerate(plan.todo, 1):
             sub = ds.select(rows)
             ids, input_ids = list(sub["id"]), list(sub["input_ids"])
@@ -535,12 +558,9 @@ def _extract_shards(stage: Stage, ctx: dist.DistContext, ds: Any, plan: _Plan) -
             for sid, (aux, final) in zip(ids, capture_fn(ids, input_ids)):
                 check_finite(sid, shard_name(k), aux, final, cfg.verifier.dtype)
                 states.append(encode(aux, final, hs.dtype, n_aux))
-            written += write_shard(stage.dir, k, ids, input_ids, list(sub["loss_mask"]),
-                                   states, plan.facts)["bytes"]
-            done_tokens += sum(len(x) for x in input_ids)
-            done_samples += len(ids)
-            dt = max(time.time() - t0, 1e-9)
-            log.info("rank %d: shard %d written (%d/%d of this rank): %.1f tokens/s, "
-                     "%.2f samples/s", ctx.rank, k, n, len(plan.todo), done_tokens / dt,
-                     done_samples / dt)
+            if pending is not None:
+                written += pending.result()  # a failed write stops the stage here
+            pending = pool.submit(write, n, k, ids, input_ids, list(sub["loss_mask"]), states)
+        if pending is not None:
+            written += pending.result()
     return written

@@ -70,7 +70,7 @@ def data_estimate(cfg: Config) -> dict[str, Any]:
     """Prompts, turns and tokens of stage 01's selection (sources read, answers estimated)."""
     from eagle3.data import load_prompts
 
-    prompts = load_prompts(cfg.data)
+    prompts = load_prompts(cfg.data, unreachable_ok=True)
     rows = prompts.rows
     per_char, how = _tokens_per_char(cfg)
     answer = cfg.plan.answer_fraction * cfg.generate.max_new_tokens
@@ -78,9 +78,17 @@ def data_estimate(cfg: Config) -> dict[str, Any]:
     prompt_chars = [sum(len(m["content"]) for m in r["messages"]) for r in rows]
     tokens = [min(c * per_char + t * (answer + 16), cfg.data.max_seq_len)
               for c, t in zip(prompt_chars, turns)]
-    return {"prompts": len(rows), "turns": sum(turns), "answer_tokens": answer,
-            "generated_tokens": sum(turns) * answer, "tokens": sum(tokens),
-            "tokens_max": len(rows) * cfg.data.max_seq_len, "token_source": how,
+    # Sources not reachable here: their prompts count as the reachable ones' mean (one turn
+    # and half the longest sample when nothing was read).
+    mean_turns = sum(turns) / len(turns) if turns else 1.0
+    mean_tokens = sum(tokens) / len(tokens) if tokens else cfg.data.max_seq_len / 2
+    n = len(rows) + prompts.assumed
+    all_turns = sum(turns) + prompts.assumed * mean_turns
+    return {"prompts": n, "turns": round(all_turns), "answer_tokens": answer,
+            "generated_tokens": all_turns * answer,
+            "tokens": sum(tokens) + prompts.assumed * mean_tokens,
+            "tokens_max": n * cfg.data.max_seq_len, "token_source": how,
+            "assumed": prompts.assumed,
             "per_source": {name: (st["usable"], st["selected"])
                            for name, st in prompts.stats.items()}}
 
@@ -501,8 +509,10 @@ def render_plan(cfg: Config) -> tuple[str, list[Verdict]]:
              f"{d['generated_tokens'] / 1e6:.1f}M generated tokens: "
              f"{_hours(d['generated_tokens'], p.generate_tok_s)}",
              f"   per source (usable / taken): " + ", ".join(
-                 f"{name} {usable} / {taken}" for name, (usable, taken) in
-                 d["per_source"].items()),
+                 f"{name} {'? (not reachable here)' if usable is None else usable} / {taken}"
+                 for name, (usable, taken) in d["per_source"].items())
+             + (f"; {d['assumed']} prompts of unreachable hub sources estimated like the rest"
+                if d["assumed"] else ""),
              f"   samples ~{d['tokens'] / 1e6:.1f}M tokens (at most {d['tokens_max'] / 1e6:.1f}M"
              f"; {d['token_source']})",
              f"02 extract: ~{d['tokens'] / 1e6:.1f}M tokens: "

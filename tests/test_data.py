@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.config import DataConfig, SourceConfig
+from eagle3.config import ConfigError, DataConfig, SourceConfig
 from eagle3.data import (ChatTemplateError, NonPrefixTemplateError, iter_json_array,
                          load_prompts, sharegpt_path, split_reasoning)
 from eagle3.data import conversation_samples as _samples
@@ -367,6 +367,38 @@ def test_limits_weights_and_turns(tmp_path):
                                        bad_records="skip"))
     assert {r["id"]: r for r in one_turn.rows}["sg.json:0:a"]["messages"] == [
         {"role": "user", "content": "first prompt, long enough"}]
+
+
+def test_a_prompt_column_of_another_name_and_hub_subsets(tmp_path):
+    """GSM8K-style rows keep their prompt in `question`: `prompt_field` reads it; `subset` is
+    for hub sources only, `prompt_field` for prompt rows only."""
+    path = tmp_path / "gsm.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [
+        {"question": "Natalia sold clips to 48 of her friends. How many?", "answer": "72"},
+        {"answer": "a row without the column is a bad row"}]) + "\n")
+    ps = load_prompts(DataConfig(sources=[SourceConfig(path=str(path), prompt_field="question")],
+                                 min_chars=10))
+    assert [r["messages"] for r in ps.rows] == [[{
+        "role": "user", "content": "Natalia sold clips to 48 of her friends. How many?"}]]
+    assert [(e["kind"], "`question`" in e["reason"]) for e in ps.skipped] == [
+        ("unknown_format", True)]
+    with pytest.raises(ConfigError, match="subset='main' names a hub dataset's configuration"):
+        SourceConfig(path=str(path), subset="main")
+    with pytest.raises(ConfigError, match="set format: prompt"):
+        SourceConfig(path=str(path), format="messages", prompt_field="question")
+
+
+def test_an_unreachable_hub_source_is_one_line_or_assumed_for_the_plan(tmp_path):
+    sg, oa, pq_path, saved = _sources(tmp_path)
+    hub = SourceConfig(path="hf:no-such-owner/no-such-dataset", subset="main", name="hub",
+                       weight=3.0)
+    data = DataConfig(sources=[str(saved), hub], num_samples=8, min_chars=10)
+    with pytest.raises(StageError, match=r"cannot load hub dataset no-such-owner/no-such-"
+                                         r"dataset \(main\) split train"):
+        load_prompts(data)
+    ps = load_prompts(data, unreachable_ok=True)  # the plan, offline: the share is assumed
+    assert len(ps.rows) == 2 and ps.assumed == 6
+    assert ps.stats["hub"]["usable"] is None and ps.stats["hub"]["selected"] == 6
 
 
 def test_missing_source_is_one_line_error(tmp_path):
