@@ -129,6 +129,9 @@ KNOWN_CAUSES = {
     "out of memory": "the engine ran out of memory: lower the context length or batch, or use "
     "more GPUs",
     "Address already in use": "the port is taken: stop the other server or choose another port",
+    "no pinned memory allocator": "vLLM's ExampleHiddenStatesConnector stages each write "
+    "through pinned (CUDA) host memory, which a CPU build lacks: extract hidden states with "
+    "hidden_states.backend=hf here, or on a GPU node",
 }
 
 

@@ -66,7 +66,7 @@ from eagle3.shards import (AUX_CONVENTION, FINAL_STATE, FORMAT, INDEX, STORAGE,
                            bytes_per_token, encode, entry_name, shard_done, shard_name,
                            write_shard)
 from eagle3.config import ServerConfig
-from eagle3.engines import base_url, http_post_json, served_model, start_server
+from eagle3.engines import base_url, http_post_json, root_cause, served_model, start_server
 from eagle3.verifier import load_final_norm, load_text_decoder
 
 log = logging.getLogger("eagle3")
@@ -205,8 +205,12 @@ class VllmExtractor:
     (aux, post-norm final) per sample."""
 
     def __init__(self, urls: list[str], aux_ids: list[int], num_layers: int,
-                 norm: torch.nn.Module, server: ServerConfig, concurrency: int) -> None:
+                 norm: torch.nn.Module, server: ServerConfig, concurrency: int,
+                 log_path: Path | None = None) -> None:
         self.urls = [base_url(u) for u in urls]
+        self.log_path = log_path
+        """The log of the server this stage started (None for given server_urls): a failed
+        request quotes its root cause, which an HTTP 500 does not carry."""
         self.aux_ids = aux_ids
         self.layer_ids = vllm_layer_ids(aux_ids, num_layers)
         self.aux_slots = [self.layer_ids.index(j) for j in aux_ids]
@@ -228,7 +232,10 @@ class VllmExtractor:
                                     "temperature": 0.0, "return_token_ids": True},
                                    self.server)
         except StageError as e:
-            raise StageError(f"sample {sid}: vLLM extraction request failed: {e}") from None
+            cause = root_cause(self.log_path) if self.log_path else None
+            raise StageError(f"sample {sid}: vLLM extraction request failed: {e}"
+                             + (f"; root cause in {self.log_path}: {cause}" if cause else "")
+                             ) from None
         choice = reply["choices"][0]
         if choice.get("prompt_token_ids") not in (None, ids):
             raise StageError(f"sample {sid}: vLLM re-tokenized the prompt (it sent back other "
@@ -281,9 +288,9 @@ def _vllm_extractor(stage: Stage, ctx: dist.DistContext, aux_ids: list[int],
     info = cfg.verifier_info
     norm = load_final_norm(cfg.verifier_path, cfg.verifier.dtype, cfg.verifier.trust_remote_code)
 
-    def make(urls: list[str]) -> VllmExtractor:
+    def make(urls: list[str], log_path: Path | None = None) -> VllmExtractor:
         return VllmExtractor(urls, aux_ids, info.num_hidden_layers, norm, hs.server,
-                             hs.concurrency)
+                             hs.concurrency, log_path)
 
     if hs.server_urls:
         yield make(rank_servers(list(hs.server_urls), ctx))
@@ -298,7 +305,7 @@ def _vllm_extractor(stage: Stage, ctx: dist.DistContext, aux_ids: list[int],
     with start_server("vllm", cfg, hs.server, "hidden_states.server", stage.dir / "vllm.log",
                       max_model_len=hs.server.max_model_len or max_len + 1,
                       args=args) as server:
-        yield make([server.url()])
+        yield make([server.url()], server.log_path)
 
 
 # ---------------------------------------------------------------------------------------------

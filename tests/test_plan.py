@@ -5,11 +5,13 @@ one that renders it passes, and a template with no notion of reasoning is not a 
 """
 
 import json
+import os
+import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import make_config
+from conftest import REPO, make_config
 from eagle3.plan import _tokenizer_verdict
 
 RENDERS = ("{% for m in messages %}<|{{ m.role }}|>{% if m.reasoning_content %}<think>"
@@ -116,13 +118,25 @@ def test_remote_code_this_transformers_lacks_fails_the_preflight(tmp_path, kimi_
     The vllm backend's final-norm check builds the verifier's decoder through its code too."""
     import shutil
 
-    from eagle3.plan import _final_norm_verdict
+    from eagle3.plan import _engine_tokenizer_verdict, _final_norm_verdict
 
     verifier = tmp_path / "kimi"
     shutil.copytree(kimi_verifier, verifier)
     cfg = make_config(tmp_path, verifier, verifier={"trust_remote_code": True},
                       hidden_states={"backend": "vllm"})
     assert _tokenizer_verdict(cfg).ok, _tokenizer_verdict(cfg).detail
+    # The engines load the tokenizer with their own transformers: checked in their Python.
+    import subprocess
+    sglang_python = REPO / ".venv-sglang" / "bin" / "python"
+    for python in [sys.executable] + ([str(sglang_python)] if sglang_python.exists() else []):
+        engine = _engine_tokenizer_verdict(cfg, "sglang", python)
+        has_tiktoken = subprocess.run([python, "-c", "import tiktoken"]).returncode == 0
+        if has_tiktoken:
+            assert engine.ok and "TikTokenTokenizer under transformers" in engine.detail, \
+                engine.detail
+        else:  # the tests' SGLang environment has no tiktoken: that Python could not serve Kimi
+            assert engine.ok is False and "tiktoken" in engine.detail and \
+                f"install them with {python} -m pip" in engine.detail, engine.detail
     good = _final_norm_verdict(cfg)
     assert good.ok, good.detail
     code = verifier / "tokenization_kimi.py"
@@ -132,11 +146,29 @@ def test_remote_code_this_transformers_lacks_fails_the_preflight(tmp_path, kimi_
     code.write_text(older)
     verdict = _tokenizer_verdict(cfg)
     assert verdict.ok is False and "bytes_to_unicode" in verdict.detail, verdict.detail
+    engine = _engine_tokenizer_verdict(cfg, "vllm", sys.executable)
+    assert engine.ok is False and "bytes_to_unicode" in engine.detail, engine.detail
     config = json.loads((verifier / "config.json").read_text())
     config["text_config"]["num_hidden_layers"] = "many"
     (verifier / "config.json").write_text(json.dumps(config))
     broken = _final_norm_verdict(cfg)
     assert broken.ok is False, broken.detail
+
+
+def test_an_engine_command_names_the_python_it_runs_in(tmp_path, monkeypatch):
+    """`vllm serve` is a console script: its #! line names the environment's Python, where the
+    tokenizer check runs."""
+    from eagle3.config import ServerConfig
+    from eagle3.plan import engine_python
+    script = tmp_path / "bin" / "fake-engine"
+    script.parent.mkdir()
+    script.write_text(f"#!{sys.executable}\nprint('serving')\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{script.parent}:{os.environ['PATH']}")
+    assert engine_python(ServerConfig(command=["fake-engine", "serve", "{model}"])) == \
+        sys.executable
+    assert engine_python(ServerConfig(python="/opt/sglang/bin/python")) == "/opt/sglang/bin/python"
+    assert engine_python(ServerConfig(command=["no-such-engine-here"])) is None
 
 
 def test_the_plan_weighs_storing_against_streaming():
