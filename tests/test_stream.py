@@ -205,3 +205,20 @@ def test_each_rank_streams_from_its_own_servers():
     assert [rank_servers(urls, ctx(r, 2)) for r in range(2)] == [urls[0::2], urls[1::2]]
     assert [rank_servers(urls[:2], ctx(r, 4)) for r in range(4)] == \
         [[urls[0]], [urls[1]], [urls[0]], [urls[1]]]
+
+
+def test_two_ranks_streaming_train_as_two_ranks_reading_stored_states(base, tmp_path):
+    """Under torchrun each rank runs its own in-process producer for exactly the micro-batches
+    it trains on: the weights equal those of the same two ranks reading stage 02's shards."""
+    from test_train_resume import torchrun
+
+    runs = {}
+    for mode, port in (("store", 29577), ("stream", 29587)):
+        cfg = with_settings(base, tmp_path / mode, hidden_states={"mode": mode})
+        run_stage("02_extract_hidden_states.py", cfg)
+        out = torchrun(cfg, "train.max_steps=6", "train.parallel=ddp", port=port)
+        assert Stage(cfg, 4).manifest()["counts"]["world_size"] == 2
+        runs[mode] = (cfg, out.stdout + out.stderr)
+    assert_same_training(runs["store"][0], runs["stream"][0])
+    flow = Stage(runs["stream"][0], 4).manifest()["data_flow"]
+    assert flow and all(r["verifier_tokens"] > 0 for r in flow), flow
