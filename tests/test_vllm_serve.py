@@ -71,11 +71,15 @@ def test_random_drafter_serves_in_vllm(tmp_path, smollm2):
     assert "Detected EAGLE model with distinct lm_head weights" in log
 
 
-@pytest.mark.parametrize("layout", ["speculators-save-pretrained", "aq-medai"])
+YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}
+
+
+@pytest.mark.parametrize("layout", ["speculators-save-pretrained", "aq-medai", "yarn-llama"])
 def test_converted_drafters_serve_in_vllm(tmp_path, smollm2, layout):
-    """`05_fix_keys.py --from` a drafter written by speculators' own save_pretrained, and one in
-    AQ-MedAI's midlayer.* layout (embedding shipped): vLLM serves the vLLM export, drafting from
-    the aux layers we trained on."""
+    """`05_fix_keys.py --from` a drafter written by speculators' own save_pretrained, one in
+    AQ-MedAI's midlayer.* layout (embedding shipped), and one in that layout with YaRN rope
+    scaling (lightseekorg's Llama-layer Kimi drafter's form): vLLM serves the vLLM export,
+    drafting from the aux layers we trained on."""
     from test_convert import aq_medai_dir, convert_dir, drafter_for, speculators_dir
 
     from conftest import make_config
@@ -83,9 +87,10 @@ def test_converted_drafters_serve_in_vllm(tmp_path, smollm2, layout):
     from eagle3.config import ServerConfig
 
     model = drafter_for(smollm2, heads=9, kv_heads=3)  # SmolLM2's embedding and head shape
-    if layout == "aq-medai":
+    if layout in ("aq-medai", "yarn-llama"):
         # Written for SGLang and a Llama verifier: [1,2,3] - 1.
-        src = aq_medai_dir(tmp_path / "src", model, aux=[0, 1, 2])
+        src = aq_medai_dir(tmp_path / "src", model, aux=[0, 1, 2],
+                           **({"rope_scaling": YARN} if layout == "yarn-llama" else {}))
     else:
         src = speculators_dir(tmp_path / "src", model)
     convert_dir(src, tmp_path / "out", "--verifier", str(smollm2), "--formats", "vllm",
@@ -110,6 +115,11 @@ def test_converted_drafters_serve_in_vllm(tmp_path, smollm2, layout):
     text = log.read_text()
     assert "Using auxiliary layers from speculative config: (1, 2, 3)" in text
     assert "Attempted to load weight" not in text
+    if layout == "yarn-llama":
+        written = json.loads((tmp_path / "out" / "vllm" / "config.json").read_text())
+        scaling = written.get("rope_scaling") or written.get("rope_parameters")
+        assert scaling and scaling.get("factor") == 4.0 and \
+            "yarn" in (scaling.get("type"), scaling.get("rope_type")), written
 
 
 def test_mla_drafter_loads_whole_in_vllm_cpu(tmp_path, smollm2):
