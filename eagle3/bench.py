@@ -910,6 +910,18 @@ def _save(fig: Any, path: Path) -> str:
     return path.name
 
 
+def served_beyond_trained(cfg: Config) -> Optional[str]:
+    """A note when stage 06 serves more draft steps than TTT trained: positions past
+    `train.ttt_steps` run the drafter on its own outputs, which it never saw in training."""
+    deepest = max((d.steps for e in cfg.bench.engines for d in e.parsed_depths), default=0)
+    if deepest <= cfg.train.ttt_steps:
+        return None
+    first = cfg.train.ttt_steps + 1
+    which = f"positions {first}-{deepest} were" if deepest > first else f"position {first} was"
+    return (f"stage 06 serves up to {deepest} draft steps, TTT trains {cfg.train.ttt_steps}: "
+            f"draft {which} never trained (raise train.ttt_steps to train them)")
+
+
 def report(stage: Stage, results: list[dict[str, Any]], sets: dict[str, list]) -> str:
     cfg = stage.cfg
     table = results_table(results)
@@ -919,6 +931,9 @@ def report(stage: Stage, results: list[dict[str, Any]], sets: dict[str, list]) -
             f"{', '.join(f'{k} ({len(v)})' for k, v in sets.items())}; max_tokens "
             f"{cfg.bench.max_tokens}; chat-templated requests\n\n{table}\n"
             f"Fastest depth per concurrency:\n\n" + "\n".join(best) + "\n")
+    note = served_beyond_trained(cfg)
+    if note:
+        text += f"\nNote: {note}; their per-position acceptance measures that.\n"
     predicted = [r for r in results if r.get("predicted_from") and r["predicted_from"] != r["run"]]
     if predicted:
         text += ("\nShallower chains predicted from the deepest run's per-position acceptance "

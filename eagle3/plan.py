@@ -26,6 +26,7 @@ from typing import Any, Optional
 
 from eagle3.config import (Config, ConfigError, ServerConfig, VerifierInfo, load_config,
                            read_verifier_info, sglang_engine_problem, sglang_sampling_problem)
+from eagle3.bench import served_beyond_trained
 from eagle3.cpu import cpu_verdicts, features
 from eagle3.runs import StageError
 
@@ -111,17 +112,6 @@ def verifier_loads(cfg: Config) -> dict[str, int]:
         else:
             bench += len(engine.parsed_depths) + int(engine.serves_baseline)
     return {"01": generate, "02": extract, "04": train, "06": bench}
-
-
-def served_beyond_trained(cfg: Config) -> Optional[str]:
-    """A note when stage 06 serves more draft steps than TTT trained: positions past
-    `train.ttt_steps` run the drafter on its own outputs, which it never saw in training."""
-    deepest = max((d.steps for e in cfg.bench.engines for d in e.parsed_depths), default=0)
-    if deepest <= cfg.train.ttt_steps:
-        return None
-    return (f"   note: stage 06 serves up to {deepest} draft steps, TTT trains "
-            f"{cfg.train.ttt_steps}: draft positions {cfg.train.ttt_steps + 1}-{deepest} were "
-            f"never trained (raise train.ttt_steps to train them)")
 
 
 def hidden_state_bytes(info: VerifierInfo, tokens: float) -> dict[str, float]:
@@ -593,7 +583,7 @@ def render_plan(cfg: Config) -> tuple[str, list[Verdict]]:
               f"   checkpoints: ~{mem['trainable_parameters'] * 16 * (cfg.train.keep + 1) / GB:.0f}"
               f" GB ({cfg.train.keep} kept + best, weights and AdamW moments)"]
     note = served_beyond_trained(cfg)
-    lines += [note] if note else []
+    lines += [f"   note: {note}"] if note else []
     lines += _proposals(cfg, disk, d)
     lines += ["", "engine commands (port numbers are chosen at run time):"]
     lines += [f"  {name}: {' '.join(cmd)}" for name, cmd in engine_commands(cfg).items()]

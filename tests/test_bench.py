@@ -562,6 +562,8 @@ def test_sweep_of_both_engines_reads_acceptance_each_engine_s_way(tmp_path, tiny
         assert sg4[key] is not None and sg4[key] > 0
     md = (stage.dir / "results.md").read_text()
     assert "Fastest depth per concurrency" in md and "| sglang | 4/1/5 | 1 | mtbench |" in md
+    assert "Note: stage 06 serves up to 4 draft steps, TTT trains 3: draft position 4 was " \
+        "never trained" in md
     for png in ("acceptance_vs_depth.png", "per_position.png", "speedup_vs_depth.png"):
         assert (stage.dir / png).stat().st_size > 1000
     assert stage.is_done()

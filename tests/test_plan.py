@@ -102,7 +102,8 @@ def test_the_plan_counts_verifier_loads_and_names_untrained_draft_positions():
     """The Kimi config: one load each for stages 01 and 02, one per served depth and baseline
     in stage 06; its 16-deep SGLang depth serves positions TTT 7 never trained."""
     from eagle3.config import load_config
-    from eagle3.plan import served_beyond_trained, verifier_loads
+    from eagle3.bench import served_beyond_trained
+    from eagle3.plan import verifier_loads
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "kimi-k2.5.yaml")
     depths = sum(len(e.parsed_depths) + e.serves_baseline for e in cfg.bench.engines)
     assert verifier_loads(cfg) == {"01": 1, "02": 1, "04": 0, "06": depths}
