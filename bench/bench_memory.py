@@ -7,6 +7,7 @@ length L of its one document, and against the drafter's widths. The fits are wha
     .venv/bin/python bench/bench_memory.py refit    # the fit again from the rows in that file
     .venv/bin/python bench/bench_memory.py lengths [--lengths 1024,2048,4096,8192,16384]
     .venv/bin/python bench/bench_memory.py widths  [--length 4096]
+    .venv/bin/python bench/bench_memory.py mla     [--length 4096]  # MLA vs MHA vs the plan
     options: --ttt 3  --autocast bf16|off  --checkpointing  --repo PATH (another checkout)
 
 `lengths` fits peak = a + b*L + c*(heads*steps*L^2) at a reduced width that fits a 24 GB
@@ -46,8 +47,14 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
+# An MLA layer at BASE's width, with Kimi's proportions where they fit (DeepSeek-V2 widths over
+# 4 heads of 128: q/k of nope 96 + rope 32, v 128, latents 256 and 128).
+MLA = {"q_lora_rank": 256, "kv_lora_rank": 128, "qk_nope_head_dim": 96, "qk_rope_head_dim": 32,
+       "v_head_dim": 128}
+
+
 def worker(repo: str, L: int, hidden: int, intermediate: int, draft_vocab: int, heads: int,
-           ttt: int, autocast: str, checkpointing: bool) -> dict:
+           ttt: int, autocast: str, checkpointing: bool, attention: str = "mha") -> dict:
     sys.path.insert(0, repo)
     from eagle3.model import DraftModelConfig, Eagle3DraftModel
     from eagle3.shards import collate
@@ -60,7 +67,8 @@ def worker(repo: str, L: int, hidden: int, intermediate: int, draft_vocab: int, 
                            intermediate_size=intermediate, num_attention_heads=heads,
                            num_key_value_heads=heads, head_dim=128, num_layers=1,
                            rms_norm_eps=1e-5, rope_theta=1e6, max_position_embeddings=1 << 20,
-                           vocab_size=V, draft_vocab_size=VD)
+                           vocab_size=V, draft_vocab_size=VD,
+                           **({"attention": "mla", **MLA} if attention == "mla" else {}))
     model = Eagle3DraftModel(cfg)
     with torch.no_grad():
         model.t2d[:VD] = True
@@ -91,7 +99,7 @@ def worker(repo: str, L: int, hidden: int, intermediate: int, draft_vocab: int, 
     step(L)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"L": L, "hidden": H, "intermediate": intermediate, "draft_vocab": VD,
-            "heads": heads, "ttt": ttt, "checkpointing": checkpointing,
+            "heads": heads, "ttt": ttt, "checkpointing": checkpointing, "attention": attention,
             "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
             "peak_rise_bytes": max(peak - max(before, base), 0)}
 
@@ -167,9 +175,45 @@ def fit_file(args: argparse.Namespace) -> dict:
     return out
 
 
+def mla_against_plan(args: argparse.Namespace) -> list[dict]:
+    """The plan predicts an MLA layer's activations with the MHA fit (eagle3.plan
+    `activation_bytes`: its head_dim is nope + rope): measure both layers at one length,
+    checkpointing off and on, beside that prediction (what the fit covers: the rise less
+    autocast's bf16 weight copies)."""
+    sys.path.insert(0, str(REPO))
+    from eagle3.model import DraftModelConfig
+    from eagle3.plan import activation_bytes
+
+    fits = json.loads(FIT_FILE.read_text())
+    out = []
+    for checkpointing in (False, True):
+        args.checkpointing = checkpointing
+        fit = fits["checkpointed" if checkpointing else "plain"]
+        for attention in ("mha", "mla"):
+            row = measure(args, L=args.length, attention=attention)
+            shape = DraftModelConfig(
+                hidden_size=BASE["hidden"], target_hidden_size=BASE["hidden"], num_aux=3,
+                intermediate_size=BASE["intermediate"], num_attention_heads=BASE["heads"],
+                num_key_value_heads=BASE["heads"], head_dim=128, num_layers=1,
+                rms_norm_eps=1e-5, rope_theta=1e6, max_position_embeddings=1 << 20,
+                vocab_size=VERIFIER_VOCAB, draft_vocab_size=BASE["draft_vocab"],
+                **({"attention": "mla", **MLA} if attention == "mla" else {}))
+            per_token = 4 * shape.draft_vocab_size + 4 * (shape.num_aux + 1) * shape.hidden_size
+            predicted = activation_bytes(fit, shape, args.ttt, args.length) \
+                - args.length * per_token  # the batch and teacher: built before the step
+            measured = row["peak_rise_bytes"] - 2 * row["trainable"]
+            out.append({"attention": attention, "checkpointing": checkpointing,
+                        "L": args.length, "trainable": row["trainable"],
+                        "measured_MiB": round(measured / 2**20, 1),
+                        "plan_MiB": round(predicted / 2**20, 1),
+                        "plan_error": round((predicted - measured) / measured, 3)})
+            print(out[-1], flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=["fit", "refit", "lengths", "widths", "worker"])
+    parser.add_argument("mode", choices=["fit", "refit", "lengths", "widths", "mla", "worker"])
     parser.add_argument("--lengths", default="1024,2048,4096,8192,16384")
     parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--ttt", type=int, default=3)
@@ -183,7 +227,10 @@ def main() -> None:
         p = json.loads(args.point)
         print(json.dumps(worker(args.repo, p["L"], p["hidden"], p["intermediate"],
                                 p["draft_vocab"], p["heads"], args.ttt, args.autocast,
-                                args.checkpointing)))
+                                args.checkpointing, p.get("attention", "mha"))))
+        return
+    if args.mode == "mla":
+        print(json.dumps(mla_against_plan(args), indent=1))
         return
     if args.mode == "lengths":
         rows = []

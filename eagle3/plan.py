@@ -135,7 +135,9 @@ def activation_bytes(fit: dict[str, Any], shape: Any, steps: int, tokens: int) -
     (both per token). Attention keeps no [L, L] tensor, so document lengths do not enter. An MLA
     layer's head_dim is qk_nope + qk_rope, the width its q/k/v are padded to for the fused
     attention, so the attention term reads the same; its low-rank latents (about 4k values per
-    token at Kimi's shape, under 5% of the per-token activations) are left out."""
+    token at Kimi's shape, under 5% of the per-token activations) are left out. Measured
+    (bench/bench_memory.py mla, bench/RESULTS.md): an MLA layer keeps 3-11% less than the MHA
+    layer of the same heads and widths, and this reads it within -1% to +27%."""
     c = fit["per_token_step"]
     per_token_step = (c["const"] + c["draft_vocab"] * shape.draft_vocab_size
                       + c["hidden"] * shape.hidden_size + c["intermediate"]
