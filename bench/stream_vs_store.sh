@@ -6,26 +6,38 @@
 # batching noise between the two: the states of 256 samples computed as stage 04 groups them
 # against the stored ones.
 #
-#     bash bench/stream_vs_store.sh      # about 30 minutes on 2 cores; run nothing beside it
+#     bash bench/stream_vs_store.sh          # about 30 minutes on 2 cores; run nothing beside it
+#     SEED=1 bash bench/stream_vs_store.sh   # another training seed (train.seed) on the same
+#                                            # stages 01-03 (hard links to seed 0's): ~40 min
 set -euo pipefail
 cfg=configs/smollm2-135m-cpu.yaml
 py=.venv/bin/python
+seed=${SEED:-0}
+sfx=""
+[ "$seed" = 0 ] || sfx="-s$seed"
+store=stream-vs-store-store$sfx stream=stream-vs-store-stream$sfx
 common=('bench.engines=[{"name": "vllm", "depths": [3], "draft_sample": "probabilistic", "baseline": false}]'
         'bench.temperature=[0.0,1.0]' 'bench.concurrency=[1]' bench.num_prompts=40
-        bench.max_tokens=64 'export.formats=[vllm]')
+        bench.max_tokens=64 'export.formats=[vllm]' "train.seed=$seed")
+if [ "$seed" != 0 ] && [ -e runs/stream-vs-store-store/03_vocab/manifest.json ]; then
+    mkdir -p "runs/$store"  # the seed changes training only: stages 01-03 are seed 0's
+    for s in 01_data 02_hidden_states 03_vocab; do
+        [ -e "runs/$store/$s" ] || cp -al "runs/stream-vs-store-store/$s" "runs/$store/"
+    done
+fi
 for s in 01_generate_data.py 02_extract_hidden_states.py 03_build_vocab_map.py; do
-    $py "$s" "$cfg" run.name=stream-vs-store-store "${common[@]}"
+    $py "$s" "$cfg" run.name=$store "${common[@]}"
 done
-mkdir -p runs/stream-vs-store-stream
+mkdir -p "runs/$stream"
 for s in 01_data 03_vocab; do
-    [ -e "runs/stream-vs-store-stream/$s" ] || cp -al "runs/stream-vs-store-store/$s" runs/stream-vs-store-stream/
+    [ -e "runs/$stream/$s" ] || cp -al "runs/$store/$s" "runs/$stream/"
 done
-$py 02_extract_hidden_states.py "$cfg" run.name=stream-vs-store-stream hidden_states.mode=stream "${common[@]}"
+$py 02_extract_hidden_states.py "$cfg" run.name=$stream hidden_states.mode=stream "${common[@]}"
 for s in 04_train.py 05_fix_keys.py 06_deploy_and_bench.py; do
-    $py "$s" "$cfg" run.name=stream-vs-store-store "${common[@]}"
-    $py "$s" "$cfg" run.name=stream-vs-store-stream hidden_states.mode=stream "${common[@]}"
+    $py "$s" "$cfg" run.name=$store "${common[@]}"
+    $py "$s" "$cfg" run.name=$stream hidden_states.mode=stream "${common[@]}"
 done
-$py - "$cfg" <<'PY'
+$py - "$cfg" "$sfx" <<'PY'
 import contextlib, json, sys, time
 from pathlib import Path
 import torch
@@ -36,8 +48,9 @@ from eagle3.shards import HiddenStates
 from eagle3.stream import StreamedStates, open_streamed
 from eagle3.train import epoch_batches
 
+sfx = sys.argv[2]
 for mode in ("store", "stream"):
-    run = Path(f"runs/stream-vs-store-{mode}")
+    run = Path(f"runs/stream-vs-store-{mode}{sfx}")
     hs = json.load(open(run / "02_hidden_states/manifest.json"))
     train = json.load(open(run / "04_train/manifest.json"))
     cells = json.load(open(run / "06_bench/results.json"))["results"]
@@ -50,6 +63,8 @@ for mode in ("store", "stream"):
         print("   ", {k: r[k] for k in ("epoch", "step_s", "wait_fraction", "producer_tokens_per_s",
                                         "trainer_tokens_per_s", "buffer_max")})
 
+if sfx:
+    sys.exit(0)  # the batching noise below does not depend on the training seed
 # Batching noise: stage 04's micro-batches of epoch 0 streamed, against the stored states.
 cfg = load_config(sys.argv[1], ["run.name=stream-vs-store-stream", "hidden_states.mode=stream"])
 stage = Stage(cfg, 4)

@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import copy
 import contextlib
+import copy
 import hashlib
 import json
 import logging
@@ -592,8 +592,9 @@ def run_generate(stage: Stage) -> None:
                          f"(first: {failed[0][:300]}); the others are saved: rerun to retry them")
     t0 = time.time()
     tokenized = early.wait()
-    log.info("stage 01: tokenization overlapped generation; %.1f s left for it after the "
-             "last answer", time.time() - t0)
+    if early.enabled:
+        log.info("stage 01: tokenization overlapped generation; %.1f s left for it after the "
+                 "last answer", time.time() - t0)
     _merge(stage, prompts, tok, convs, done, sampling, speed, started, tokenized)
 
 
@@ -676,9 +677,15 @@ class EarlyTokenizer:
     """Tokenizes and masks each conversation on a thread of its own as soon as it is finished
     (and those an earlier run finished, from the start), so that tokenization overlaps
     generation: with a slow Python tokenizer it would otherwise run after the servers have
-    stopped. Results are per row and order-free; the merge assembles them in prompt order."""
+    stopped. Results are per row and order-free; the merge assembles them in prompt order.
+    Only where the verifier generates elsewhere than this CPU (GPUs, or given servers): on a
+    CPU that also generates, the thread would only take the generator's cycles (as stage 02's
+    overlapped writes did, bench/RESULTS.md), and the merge tokenizes everything instead."""
 
     def __init__(self, stage: Stage, tok: Any) -> None:
+        import torch
+
+        self.enabled = torch.cuda.is_available() or bool(stage.cfg.generate.server_urls)
         self.stage = stage
         self.tok = copy.deepcopy(tok)  # the event loop keeps using its own for prompt lengths
         self.stop_ids = set(stop_token_ids(tok, stage.cfg))
@@ -687,7 +694,8 @@ class EarlyTokenizer:
         self.futures: list[concurrent.futures.Future] = []
 
     def submit(self, rows: list[dict[str, Any]]) -> None:
-        self.futures.append(self.pool.submit(self._run, rows))
+        if self.enabled:
+            self.futures.append(self.pool.submit(self._run, rows))
 
     def _run(self, rows: list[dict[str, Any]]) -> None:
         for row in rows:

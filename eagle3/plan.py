@@ -24,9 +24,9 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from eagle3.bench import served_beyond_trained
 from eagle3.config import (Config, ConfigError, ServerConfig, VerifierInfo, load_config,
                            read_verifier_info, sglang_engine_problem, sglang_sampling_problem)
-from eagle3.bench import served_beyond_trained
 from eagle3.cpu import cpu_verdicts, features
 from eagle3.runs import StageError
 
@@ -435,6 +435,7 @@ def preflight(cfg: Config, needed_bytes: float) -> list[Verdict]:
     for engine in cfg.bench.engines:
         if engine.name != "hf":
             engines.setdefault(engine.name, engine.server)
+    checked: set[str] = set()  # Pythons whose tokenizer load was checked
     for module, server in engines.items():
         if server.command:
             found = shutil.which(server.command[0])
@@ -443,7 +444,8 @@ def preflight(cfg: Config, needed_bytes: float) -> list[Verdict]:
         else:
             verdicts.append(_engine_version(server.python or sys.executable, module))
         python = engine_python(server)
-        if python is not None:
+        if python is not None and python not in checked:
+            checked.add(python)
             verdicts.append(_engine_tokenizer_verdict(cfg, module, python))
     verdicts.append(gpu_verdict(cfg))
     verdicts += [Verdict(*v) for v in cpu_verdicts(cfg)]
