@@ -11,5 +11,4 @@ from eagle3.cli import stage_main
 from eagle3.vocab import run_vocab
 
 if __name__ == "__main__":
-    sys.exit(stage_main(3, run_vocab, __doc__.splitlines()[0],
-                        aliases={"--finetune-from": "train.finetune_from"}))
+    sys.exit(stage_main(3, run_vocab, __doc__.splitlines()[0]))

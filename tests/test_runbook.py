@@ -23,7 +23,6 @@ from eagle3.runs import STAGES, all_upstream, config_changes, depends_on
 
 PRODUCTION = "configs/kimi-k2.5.yaml"
 STAGE_OF = {spec.script: n for n, spec in STAGES.items()}
-ALIASES = {3: {"--finetune-from": "train.finetune_from"}}
 
 
 def runbook_commands(readme: str) -> list[list[str]]:
@@ -74,8 +73,7 @@ def follow(commands: list[list[str]], run_dir, verifier) -> tuple[list[str], lis
     for argv in commands:
         for number, args in stage_runs(argv):
             assert args[0] == PRODUCTION, argv
-            parsed, overrides = _parse("runbook", args, ALIASES.get(number, {}),
-                                       smoke=number == 4)
+            parsed, overrides = _parse("runbook", args, {}, smoke=number == 4)
             # Kimi's aux ids [2, 30, 58] do not fit the 8-layer stand-in: its own rule's.
             cfg = load_config(REPO / PRODUCTION, [f"run.dir={run_dir}",
                                                   f"verifier.path={verifier}",
