@@ -32,6 +32,7 @@ import json
 import resource
 import subprocess
 import sys
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -53,6 +54,17 @@ MLA = {"q_lora_rank": 256, "kv_lora_rank": 128, "qk_nope_head_dim": 96, "qk_rope
        "v_head_dim": 128}
 
 
+def draft_shape(config_class: type, hidden: int, intermediate: int, draft_vocab: int,
+                heads: int, attention: str = "mha") -> Any:
+    """The measured drafter's config (`config_class`: DraftModelConfig of the code measured)."""
+    return config_class(hidden_size=hidden, target_hidden_size=hidden, num_aux=3,
+                        intermediate_size=intermediate, num_attention_heads=heads,
+                        num_key_value_heads=heads, head_dim=128, num_layers=1,
+                        rms_norm_eps=1e-5, rope_theta=1e6, max_position_embeddings=1 << 20,
+                        vocab_size=VERIFIER_VOCAB, draft_vocab_size=draft_vocab,
+                        **({"attention": "mla", **MLA} if attention == "mla" else {}))
+
+
 def worker(repo: str, L: int, hidden: int, intermediate: int, draft_vocab: int, heads: int,
            ttt: int, autocast: str, checkpointing: bool, attention: str = "mha") -> dict:
     sys.path.insert(0, repo)
@@ -63,13 +75,7 @@ def worker(repo: str, L: int, hidden: int, intermediate: int, draft_vocab: int, 
 
     torch.manual_seed(0)
     H, V, VD = hidden, VERIFIER_VOCAB, draft_vocab
-    cfg = DraftModelConfig(hidden_size=H, target_hidden_size=H, num_aux=3,
-                           intermediate_size=intermediate, num_attention_heads=heads,
-                           num_key_value_heads=heads, head_dim=128, num_layers=1,
-                           rms_norm_eps=1e-5, rope_theta=1e6, max_position_embeddings=1 << 20,
-                           vocab_size=V, draft_vocab_size=VD,
-                           **({"attention": "mla", **MLA} if attention == "mla" else {}))
-    model = Eagle3DraftModel(cfg)
+    model = Eagle3DraftModel(draft_shape(DraftModelConfig, H, intermediate, VD, heads, attention))
     with torch.no_grad():
         model.t2d[:VD] = True
     for p in model.parameters():
@@ -191,13 +197,8 @@ def mla_against_plan(args: argparse.Namespace) -> list[dict]:
         fit = fits["checkpointed" if checkpointing else "plain"]
         for attention in ("mha", "mla"):
             row = measure(args, L=args.length, attention=attention)
-            shape = DraftModelConfig(
-                hidden_size=BASE["hidden"], target_hidden_size=BASE["hidden"], num_aux=3,
-                intermediate_size=BASE["intermediate"], num_attention_heads=BASE["heads"],
-                num_key_value_heads=BASE["heads"], head_dim=128, num_layers=1,
-                rms_norm_eps=1e-5, rope_theta=1e6, max_position_embeddings=1 << 20,
-                vocab_size=VERIFIER_VOCAB, draft_vocab_size=BASE["draft_vocab"],
-                **({"attention": "mla", **MLA} if attention == "mla" else {}))
+            shape = draft_shape(DraftModelConfig, BASE["hidden"], BASE["intermediate"],
+                                BASE["draft_vocab"], BASE["heads"], attention)
             per_token = 4 * shape.draft_vocab_size + 4 * (shape.num_aux + 1) * shape.hidden_size
             predicted = activation_bytes(fit, shape, args.ttt, args.length) \
                 - args.length * per_token  # the batch and teacher: built before the step

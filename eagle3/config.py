@@ -849,6 +849,11 @@ class BenchEngineConfig:
         return [parse_depth(v, "bench.engines.depths") for v in self.depths]
 
 
+BUILTIN_PROMPT_SETS = ("mtbench", "humaneval")
+"""Prompt sets that ship in PyPI packages (eagle3.bench loads them); any other name is a
+source."""
+
+
 @dataclass(frozen=True)
 class BenchConfig:
     engines: list[BenchEngineConfig] = field(
@@ -899,7 +904,7 @@ class BenchConfig:
 
     @property
     def prompt_set_configs(self) -> list[Union[SourceConfig, str]]:
-        return [p if p in ("mtbench", "humaneval") or isinstance(p, SourceConfig)
+        return [p if p in BUILTIN_PROMPT_SETS or isinstance(p, SourceConfig)
                 else SourceConfig(path=p)
                 for p in self.prompt_sets]
 

@@ -49,6 +49,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
+from eagle3.cpu import verifier_leaves_this_cpu_free
 from eagle3.data import (ChatTemplateError, NonPrefixTemplateError, PromptSet,
                          conversation_samples, load_prompts, render, split_reasoning)
 from eagle3.engines import ChatClient, RequestRejected, TransientError, start_server
@@ -264,11 +265,16 @@ def _prompt_ids(tok: Any, messages: list[dict[str, Any]]) -> list[int]:
 # Engine hf
 
 
-def _load_model(stage: Stage) -> tuple[Any, str]:
+def _hf_device() -> str:
+    """Where the hf engine generates."""
     import torch
 
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _load_model(stage: Stage) -> tuple[Any, str]:
     cfg = stage.cfg
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = _hf_device()
     return load_text_lm(cfg.verifier_path, cfg.verifier.dtype, device,
                         cfg.verifier.trust_remote_code), device
 
@@ -678,14 +684,13 @@ class EarlyTokenizer:
     (and those an earlier run finished, from the start), so that tokenization overlaps
     generation: with a slow Python tokenizer it would otherwise run after the servers have
     stopped. Results are per row and order-free; the merge assembles them in prompt order.
-    Only where the verifier generates elsewhere than this CPU (GPUs, or given servers): on a
-    CPU that also generates, the thread would only take the generator's cycles (as stage 02's
-    overlapped writes did, bench/RESULTS.md), and the merge tokenizes everything instead."""
+    Only where the verifier generates elsewhere than this CPU (an engine server, or the hf
+    engine on a GPU; `cpu.verifier_leaves_this_cpu_free`): otherwise the merge tokenizes
+    everything, as the thread would only take the generator's cycles."""
 
     def __init__(self, stage: Stage, tok: Any) -> None:
-        import torch
-
-        self.enabled = torch.cuda.is_available() or bool(stage.cfg.generate.server_urls)
+        self.enabled = verifier_leaves_this_cpu_free(stage.cfg.generate.engine != "hf",
+                                                     _hf_device())
         self.stage = stage
         self.tok = copy.deepcopy(tok)  # the event loop keeps using its own for prompt lengths
         self.stop_ids = set(stop_token_ids(tok, stage.cfg))

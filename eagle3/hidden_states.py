@@ -16,8 +16,9 @@ length-sorted and cut into batches of at most `hidden_states.batch_tokens` padde
 right-padded, and each sample is sliced back to its own length, so padding is never written.
 With a verifier elsewhere than this CPU (vLLM, a GPU), a writer thread writes, fsyncs and
 hashes each shard while the next one is captured. Under torchrun each rank writes the shards
-`k` with `k % world_size == rank`; a shard's bytes do not depend on the rank count. `hidden_states.device_map=auto` splits the decoder layers
-over this rank's share of the visible GPUs, for a verifier larger than one device.
+`k` with `k % world_size == rank`; a shard's bytes do not depend on the rank count.
+`hidden_states.device_map=auto` splits the decoder layers over this rank's share of the
+visible GPUs, for a verifier larger than one device.
 
 Backend `vllm` (the Kimi-K2.5 path: a 1T-parameter INT4 MoE that only an engine holds on an
 8-GPU node): a vLLM server is started from `hidden_states.server` (or reached at
@@ -66,6 +67,7 @@ from eagle3.shards import (AUX_CONVENTION, FINAL_STATE, FORMAT, INDEX, STORAGE,
                            bytes_per_token, encode, entry_name, shard_done, shard_name,
                            write_shard)
 from eagle3.config import ServerConfig
+from eagle3.cpu import verifier_leaves_this_cpu_free
 from eagle3.engines import base_url, http_post_json, root_cause, served_model, start_server
 from eagle3.verifier import load_final_norm, load_text_decoder
 
@@ -535,13 +537,12 @@ def _extract_shards(stage: Stage, ctx: dist.DistContext, ds: Any, plan: _Plan) -
     When the verifier runs elsewhere than this process's CPU (a vLLM server, or a GPU), a
     shard is written, fsynced and hashed by a writer thread while the next one is captured (the
     verifier never waits on the disk); at most one shard waits to be written, so memory holds
-    two shards' states at most. A verifier on this CPU would only share its cores with the
-    writer: measured on 2 cores, overlapping was 5.5% slower (bench/RESULTS.md), so there the
-    writes follow each capture. Each shard is atomic on its own: a crash loses at most the
-    shards in flight, which a rerun redoes.
+    two shards' states at most. On this CPU each write follows its capture
+    (`cpu.verifier_leaves_this_cpu_free`). Each shard is atomic on its own: a crash loses at
+    most the shards in flight, which a rerun redoes.
     """
     cfg, hs = stage.cfg, stage.cfg.hidden_states
-    overlap = hs.backend == "vllm" or ctx.device.type != "cpu"
+    overlap = verifier_leaves_this_cpu_free(hs.backend == "vllm", ctx.device)
     n_aux = len(plan.facts["aux_layer_ids"])
     written, done_tokens, done_samples = 0, 0, 0
     t0 = time.time()
