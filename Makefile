@@ -47,7 +47,7 @@ verifier: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python -m eagle3.verifiers kimi-rehearsal
 
 demo: verifier
-	PATH=$(CURDIR)/$(BIN):$$PATH bash run_pipeline.sh $(CONFIG)
+	HF_HUB_OFFLINE=1 PATH=$(CURDIR)/$(BIN):$$PATH bash run_pipeline.sh $(CONFIG)
 
 # The Kimi-K2.5 path on this CPU: the Kimi-shaped rehearsal verifier through all six stages,
 # fresh, fine-tuning from a drafter in AQ-MedAI's layout, and from an MLA drafter in lightseekorg's

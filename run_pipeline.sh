@@ -27,7 +27,9 @@ if [ $# -gt 0 ] && [[ $1 != *=* ]] && [[ $1 != --* ]]; then
   from=$1; shift
 fi
 cd "$(dirname "$0")"
-export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# HF_HUB_OFFLINE is the caller's: a node fetches hub sources, bases and bench sets online
+# (`make demo` runs offline).
+export TOKENIZERS_PARALLELISM=false
 py=python
 [ -x .venv/bin/python ] && py=.venv/bin/python
 rest=()

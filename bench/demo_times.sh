@@ -15,7 +15,7 @@ if [ "$mode" = avx2 ]; then
   export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 EAGLE3_CPU_FLAGS=avx,avx2,fma,f16c
 fi
 start=$(date +%s)
-PATH=$PWD/.venv/bin:$PATH bash run_pipeline.sh $config run.name=$name "$@"
+HF_HUB_OFFLINE=1 PATH=$PWD/.venv/bin:$PATH bash run_pipeline.sh $config run.name=$name "$@"
 echo "wall: $(( $(date +%s) - start )) s"
 .venv/bin/python - "$name" <<'PY'
 import json, sys

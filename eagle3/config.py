@@ -128,7 +128,18 @@ class SourceConfig:
     weight: float = 1.0
     """Share of `data.num_samples` drawn from this source, relative to the other sources."""
     name: Optional[str] = None
-    """Prefix of this source's row ids; null uses the file or dataset name."""
+    """Prefix of this source's row ids; null uses the file or dataset name (with `-SUBSET`
+    for a hub configuration)."""
+
+    @property
+    def id_prefix(self) -> str:
+        """What this source's row ids and its stage 01 statistics are named by."""
+        if self.name:
+            return self.name
+        if self.path.startswith("hf:"):
+            return self.path.rstrip("/").split("/")[-1] + (f"-{self.subset}" if self.subset
+                                                          else "")
+        return Path(self.path.rstrip("/")).name or self.path
 
     def __post_init__(self) -> None:
         if self.limit is not None:
@@ -193,6 +204,11 @@ class DataConfig:
             _positive("data.max_user_turns", self.max_user_turns)
         if not 0 <= self.min_latin_fraction <= 1:
             raise ConfigError("data.min_latin_fraction must be in [0, 1]")
+        prefixes = [s.id_prefix for s in self.source_configs]
+        for prefix in prefixes:
+            if prefixes.count(prefix) > 1:
+                raise ConfigError(f"data.sources: two sources are named {prefix!r} (their row "
+                                  f"ids would collide); give each a distinct `name:`")
 
     @property
     def source_configs(self) -> list[SourceConfig]:

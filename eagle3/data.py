@@ -31,6 +31,7 @@ import hashlib
 import itertools
 import json
 import logging
+import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,7 +64,16 @@ class NonPrefixTemplateError(ChatTemplateError):
 
 
 class HubUnreachable(StageError):
-    """An `hf:` source that cannot be loaded here (offline, or a wrong name/split/subset)."""
+    """An `hf:` source whose hub cannot be reached from here (offline); a wrong name, subset
+    or split is a plain StageError."""
+
+
+def _is_connection_error(e: BaseException) -> bool:
+    """Whether loading failed for want of the network (datasets raises ConnectionError, the
+    HTTP clients under it their own ConnectError/Timeout classes), not for a wrong name."""
+    return isinstance(e, (ConnectionError, TimeoutError)) or any(
+        key in cls.__name__ for cls in type(e).__mro__
+        for key in ("Connect", "Offline", "Timeout"))
 
 
 class BadRow(ValueError):
@@ -204,21 +214,27 @@ def source_rows(source: SourceConfig) -> tuple[str, Iterator[dict[str, Any] | Un
     """(id prefix, row iterator) of one source."""
     spec = source.path
     if spec == SHAREGPT:
-        return source.name or SHAREGPT, iter_json_array(sharegpt_path(), packaged=True)
+        return source.id_prefix, iter_json_array(sharegpt_path(), packaged=True)
     if spec.startswith(HUB_PREFIX):
         name = spec[len(HUB_PREFIX):]
         from datasets import load_dataset
+        what = (f"data.sources: hub dataset {name}"
+                + (f" ({source.subset})" if source.subset else "") + f" split {source.split}")
         try:
             ds = load_dataset(name, source.subset, split=source.split)
         except Exception as e:  # offline, unknown name, missing split: many exception types
-            raise HubUnreachable(f"data.sources: cannot load hub dataset {name}"
-                                 + (f" ({source.subset})" if source.subset else "")
-                                 + f" split {source.split} ({type(e).__name__}: "
-                                 f"{str(e)[:200]}); check the name, or download it and give "
-                                 f"the local path") from None
-        return source.name or name.split("/")[-1], iter(ds)
+            why = f"{type(e).__name__}: {str(e)[:200]}"
+            if _is_connection_error(e):
+                offline = (" (HF_HUB_OFFLINE=1 is set: unset it on a machine that is online)"
+                           if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0") else "")
+                raise HubUnreachable(f"{what}: the hub cannot be reached here{offline} ({why}); "
+                                     f"run where it can, or download it and give the local "
+                                     f"path") from None
+            raise StageError(f"{what} cannot be loaded ({why}); check its name, subset and "
+                             f"split on its dataset card") from None
+        return source.id_prefix, iter(ds)
     path = Path(expand_path(spec))
-    prefix = source.name or path.name
+    prefix = source.id_prefix
     if path.is_dir():
         from datasets import load_from_disk
         try:
@@ -475,14 +491,15 @@ def load_prompts(data: DataConfig, unreachable_ok: bool = False) -> PromptSet:
         except HubUnreachable as e:
             if not unreachable_ok:
                 raise
-            name = source.name or source.path.split("/")[-1]
+            name = source.id_prefix
             rows, bad, st = [], [], {"unreachable": str(e), "usable": None}
         per_source.append(rows)
         skipped += bad
         stats[name] = st
     quota = _allocate(data.num_samples, [s.weight for s in sources],
-                      [data.num_samples if st.get("unreachable") else len(r)
-                       for r, st in zip(per_source, stats.values())])
+                      [min(src.limit or data.num_samples, data.num_samples)
+                       if st.get("unreachable") else len(r)
+                       for src, r, st in zip(sources, per_source, stats.values())])
     selected: list[dict[str, Any]] = []
     assumed = 0
     for rows, q, st in zip(per_source, quota, stats.values()):

@@ -42,6 +42,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -684,19 +685,23 @@ class EarlyTokenizer:
     (and those an earlier run finished, from the start), so that tokenization overlaps
     generation: with a slow Python tokenizer it would otherwise run after the servers have
     stopped. Results are per row and order-free; the merge assembles them in prompt order.
-    Only where the verifier generates elsewhere than this CPU (an engine server, or the hf
-    engine on a GPU; `cpu.verifier_leaves_this_cpu_free`): otherwise the merge tokenizes
-    everything, as the thread would only take the generator's cycles."""
+    Only where the verifier generates elsewhere than this CPU (given servers, or a GPU;
+    `cpu.verifier_leaves_this_cpu_free`): otherwise the merge tokenizes everything, as the
+    thread would only take the generator's cycles. `cancel` stops it between rows, so that a
+    failure is not held back behind the rows of an earlier run."""
 
     def __init__(self, stage: Stage, tok: Any) -> None:
-        self.enabled = verifier_leaves_this_cpu_free(stage.cfg.generate.engine != "hf",
-                                                     _hf_device())
+        g = stage.cfg.generate
+        server = None if g.engine == "hf" else "given" if g.server_urls else "started"
+        self.enabled = verifier_leaves_this_cpu_free(server, _hf_device())
         self.stage = stage
-        self.tok = copy.deepcopy(tok)  # the event loop keeps using its own for prompt lengths
+        # the event loop keeps using its own tokenizer for prompt lengths
+        self.tok = copy.deepcopy(tok) if self.enabled else tok
         self.stop_ids = set(stop_token_ids(tok, stage.cfg))
         self.results: dict[str, _RowSamples] = {}
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self.futures: list[concurrent.futures.Future] = []
+        self.cancelled = threading.Event()
 
     def submit(self, rows: list[dict[str, Any]]) -> None:
         if self.enabled:
@@ -704,6 +709,8 @@ class EarlyTokenizer:
 
     def _run(self, rows: list[dict[str, Any]]) -> None:
         for row in rows:
+            if self.cancelled.is_set():
+                return
             self.results[row["id"]] = _tokenize_row(self.stage, self.tok, self.stop_ids, row)
 
     def wait(self) -> dict[str, _RowSamples]:
@@ -714,6 +721,7 @@ class EarlyTokenizer:
         return self.results
 
     def cancel(self) -> None:
+        self.cancelled.set()
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 

@@ -534,18 +534,20 @@ def capture_backend(stage: Stage, ctx: dist.DistContext,
 def _extract_shards(stage: Stage, ctx: dist.DistContext, ds: Any, plan: _Plan) -> int:
     """Capture and write this rank's missing shards; return the bytes written.
 
-    When the verifier runs elsewhere than this process's CPU (a vLLM server, or a GPU), a
+    When the verifier runs elsewhere than this process's CPU (given servers, or a GPU), a
     shard is written, fsynced and hashed by a writer thread while the next one is captured (the
     verifier never waits on the disk); at most one shard waits to be written, so memory holds
-    two shards' states at most. On this CPU each write follows its capture
+    the states of the shard being captured and of the one being written (with its
+    concatenated copy while `write_shard` assembles it). On this CPU each write follows its capture
     (`cpu.verifier_leaves_this_cpu_free`). Each shard is atomic on its own: a crash loses at
     most the shards in flight, which a rerun redoes.
     """
     cfg, hs = stage.cfg, stage.cfg.hidden_states
-    overlap = verifier_leaves_this_cpu_free(hs.backend == "vllm", ctx.device)
+    server = None if hs.backend != "vllm" else "given" if hs.server_urls else "started"
+    overlap = verifier_leaves_this_cpu_free(server, ctx.device)
     n_aux = len(plan.facts["aux_layer_ids"])
     written, done_tokens, done_samples = 0, 0, 0
-    t0 = time.time()
+    t0 = 0.0  # set once the verifier is up: the logged rate is extraction's, not its load's
 
     def write(n: int, k: int, ids: list[str], input_ids: list[list[int]],
               loss_mask: list[list[int]], states: list[dict[str, torch.Tensor]]) -> int:
@@ -562,6 +564,7 @@ def _extract_shards(stage: Stage, ctx: dist.DistContext, ds: Any, plan: _Plan) -
 
     with capture_backend(stage, ctx, max(plan.lengths)) as capture_fn, \
             concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shard-writer") as pool:
+        t0 = time.time()
         pending: concurrent.futures.Future | None = None
         for n, (k, rows) in enumerate(plan.todo, 1):
             sub = ds.select(rows)

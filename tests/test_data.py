@@ -393,12 +393,44 @@ def test_an_unreachable_hub_source_is_one_line_or_assumed_for_the_plan(tmp_path)
     hub = SourceConfig(path="hf:no-such-owner/no-such-dataset", subset="main", name="hub",
                        weight=3.0)
     data = DataConfig(sources=[str(saved), hub], num_samples=8, min_chars=10)
-    with pytest.raises(StageError, match=r"cannot load hub dataset no-such-owner/no-such-"
-                                         r"dataset \(main\) split train"):
-        load_prompts(data)
+    with pytest.raises(StageError, match=r"hub dataset no-such-owner/no-such-dataset \(main\) "
+                                         r"split train: the hub cannot be reached here "
+                                         r"\(HF_HUB_OFFLINE=1 is set"):
+        load_prompts(data)  # the tests run offline
     ps = load_prompts(data, unreachable_ok=True)  # the plan, offline: the share is assumed
     assert len(ps.rows) == 2 and ps.assumed == 6
     assert ps.stats["hub"]["usable"] is None and ps.stats["hub"]["selected"] == 6
+
+
+def test_a_misnamed_hub_source_fails_even_for_the_plan(tmp_path, monkeypatch):
+    """Online, a wrong subset is no unreachable hub: the plan must not estimate it away."""
+    import datasets
+
+    def load_dataset(name, subset, split):
+        raise ValueError(f"BuilderConfig '{subset}' not found. Available: ['main', 'socratic']")
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    sg, oa, pq_path, saved = _sources(tmp_path)
+    data = DataConfig(sources=[str(saved), SourceConfig(path="hf:openai/gsm8k", subset="mian")],
+                      num_samples=8, min_chars=10)
+    for unreachable_ok in (False, True):
+        with pytest.raises(StageError, match=r"hub dataset openai/gsm8k \(mian\) split train "
+                                             r"cannot be loaded \(ValueError: BuilderConfig "
+                                             r"'mian' not found.*check its name, subset"):
+            load_prompts(data, unreachable_ok=unreachable_ok)
+
+
+def test_sources_are_named_apart():
+    """Two subsets of one hub dataset get distinct row-id prefixes; a true clash is refused."""
+    hermes = "hf:NousResearch/hermes-function-calling-v1"
+    data = DataConfig(sources=[SourceConfig(path=hermes, subset="func_calling_singleturn"),
+                               SourceConfig(path=hermes, subset="json_mode_agentic"),
+                               "sharegpt", "~/data/chat.jsonl"])
+    assert [s.id_prefix for s in data.source_configs] == [
+        "hermes-function-calling-v1-func_calling_singleturn",
+        "hermes-function-calling-v1-json_mode_agentic", "sharegpt", "chat.jsonl"]
+    with pytest.raises(ConfigError, match="two sources are named 'sharegpt'.*distinct `name:`"):
+        DataConfig(sources=["sharegpt", SourceConfig(path="sharegpt", limit=5)])
 
 
 def test_missing_source_is_one_line_error(tmp_path):

@@ -268,3 +268,38 @@ def test_sampled_generation_is_seeded(tmp_path, tiny_verifier):
     row = json.loads(runs[0].splitlines()[0])
     assert row["sampling"] == {"temperature": 0.8, "top_p": 0.9, "max_new_tokens": 16,
                                "seed": 5}
+
+
+def test_overlap_only_where_the_verifier_leaves_this_cpu(monkeypatch):
+    """Stage 01's tokenizer thread and stage 02's writer thread overlap the verifier only where
+    it runs elsewhere: given servers, a GPU; not vLLM-CPU started on these very cores."""
+    from eagle3 import cpu
+    monkeypatch.setattr(cpu, "has_gpu", lambda: False)
+    assert cpu.verifier_leaves_this_cpu_free("given")
+    assert not cpu.verifier_leaves_this_cpu_free("started")
+    assert not cpu.verifier_leaves_this_cpu_free(None, "cpu")
+    assert cpu.verifier_leaves_this_cpu_free(None, "cuda:3")
+    monkeypatch.setattr(cpu, "has_gpu", lambda: True)  # a node: the engine serves on its GPUs
+    assert cpu.verifier_leaves_this_cpu_free("started")
+
+
+def test_early_tokenizer_cancel_does_not_wait_for_the_resumed_rows(tmp_path, tiny_verifier,
+                                                                  monkeypatch):
+    """A failure must not be held back while the thread tokenizes an earlier run's rows."""
+    from eagle3 import generate
+    cfg = make_config(tmp_path, tiny_verifier, data={"num_samples": 2},
+                      generate={"engine": "vllm", "server_urls": ["http://127.0.0.1:9"]})
+    started = []
+
+    def slow_row(stage, tok, stop_ids, row):
+        started.append(row["id"])
+        time.sleep(0.05)
+
+    monkeypatch.setattr(generate, "_tokenize_row", slow_row)
+    early = generate.EarlyTokenizer(Stage(cfg, 1), load_tokenizer(cfg))
+    assert early.enabled  # given servers: the verifier runs elsewhere
+    early.submit([{"id": str(i)} for i in range(1000)])  # 50 s of resumed rows
+    time.sleep(0.2)
+    t0 = time.time()
+    early.cancel()
+    assert time.time() - t0 < 1.0 and 0 < len(started) < 50
