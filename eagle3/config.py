@@ -449,6 +449,11 @@ class DraftConfig:
     MLA_DIMS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                 "v_head_dim")
 
+    def mla_dims(self, verifier_mla_dims: Optional[dict[str, Optional[int]]]
+                 ) -> dict[str, Optional[int]]:
+        """The MLA layer's widths: each one set here, else the (MLA) verifier's."""
+        return {k: getattr(self, k) or (verifier_mla_dims or {}).get(k) for k in self.MLA_DIMS}
+
     def __post_init__(self) -> None:
         _positive("draft.num_layers", self.num_layers)
         for name in ("intermediate_size", "num_attention_heads", "num_key_value_heads",

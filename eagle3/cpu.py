@@ -7,7 +7,8 @@ One owner for the CPU facts several places need (docs/engines.md, "vLLM-CPU by C
   float32 than in bfloat16 on an AVX2 EPYC. `native_dtype()` is what a `dtype: native`
   setting means.
 - vLLM-CPU pairs an MLA verifier (Kimi, DeepSeek) with an EAGLE-3 drafter only with AMX: its
-  reference MLA kernel wants KV blocks of 16, the drafter's CPU attention multiples of 32.
+  reference MLA kernel wants KV blocks of 16, the drafter's CPU attention multiples of 32; its
+  AMX kernels take DeepSeek's and Kimi's MLA widths.
 """
 
 from __future__ import annotations
@@ -132,20 +133,65 @@ def resolve_dtype(dtype: Optional[str]) -> Optional[str]:
     return native_dtype() if dtype == "native" else dtype
 
 
+# vLLM's MLA attention metadata (MLACommonMetadata in model_executor/layers/attention/
+# mla_attention.py, GPU and CPU alike) checks the *verifier's* head size against these, whichever
+# model the attention group belongs to (docs/engines.md "vLLM and MLA")
+VLLM_MLA_HEAD_SIZES = (320, 512, 576)
+
+
+VLLM_MLA_FIX = "bench with another engine (bench.engines: hf, the reference decoder, or sglang)"
+
+
+def _amx_mla_misfits(who: str, dims: dict[str, Optional[int]]) -> list[str]:
+    """How an MLA layer's widths miss vLLM-CPU's AMX kernels: AMX_MLA declares the latent width
+    576 only (kv_lora_rank 512 + qk_rope_head_dim 64) and packs W_UK [kv_lora_rank x
+    qk_nope_head_dim] and W_UV [v_head_dim x kv_lora_rank] in AMX tiles, whose rows must be
+    multiples of 16 and columns of 32 ('invalid weight input features 48')."""
+    kv, rope, nope, v = (dims.get(k) for k in
+                         ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"))
+    if None in (kv, rope, nope, v):
+        return []  # not shaped yet: stage 04 asks for the missing widths
+    out = []
+    if kv + rope != 576:
+        out.append(f"{who} kv_lora_rank + qk_rope_head_dim = {kv + rope}, not 576")
+    if nope % 32 or kv % 32 or v % 16:
+        out.append(f"{who} qk_nope_head_dim {nope} and kv_lora_rank {kv} must be multiples of "
+                   f"32, v_head_dim {v} of 16")
+    return out
+
+
 def mla_eagle3_problem(cfg: "Config") -> Optional[str]:
-    """Why vLLM-CPU cannot serve cfg's verifier with cfg's EAGLE-3 drafter here, or None: MLA
-    attention (the verifier's, or the drafter's with `draft.attention: mla`) beside any other,
-    on a CPU without AMX (docs/engines.md "vLLM-CPU and MLA")."""
-    if has_gpu() or features().amx:
+    """Why vLLM cannot serve cfg's verifier with cfg's EAGLE-3 drafter on this machine, or None,
+    the first failure vLLM would meet; each involves MLA attention, the verifier's or the
+    drafter's (`draft.attention: mla`) (docs/engines.md "vLLM and MLA"):
+    - on a CPU without AMX, MLA beside any other attention: no common KV block size (start-up);
+    - on a CPU with AMX, MLA widths other than DeepSeek's and Kimi's (loading the weights);
+    - anywhere, an MLA drafter beside a verifier whose head size vLLM's MLA metadata refuses
+      (a Llama-type verifier's 64 or 128): the first request fails."""
+    info = cfg.verifier_info
+    mla_drafter = cfg.draft.attention == "mla"
+    if not (info.mla or mla_drafter):
         return None
-    if cfg.verifier_info.mla:
-        return ("vLLM-CPU without AMX cannot pair an MLA verifier with an EAGLE-3 drafter (its "
-                "reference MLA kernel needs KV blocks of 16, the drafter's attention multiples "
-                "of 32: 'No common block size')")
-    if cfg.draft.attention == "mla":
+    if not has_gpu() and not features().amx:
+        if info.mla:
+            return ("vLLM-CPU without AMX cannot pair an MLA verifier with an EAGLE-3 drafter "
+                    "(its reference MLA kernel needs KV blocks of 16, the drafter's attention "
+                    "multiples of 32: 'No common block size')")
         return ("vLLM-CPU without AMX cannot serve an MLA drafter beside this verifier (its "
                 "reference MLA kernel needs KV blocks of 16, the verifier's attention multiples "
                 "of 32: 'No common block size')")
+    if not has_gpu():
+        misfits = _amx_mla_misfits("the verifier's", info.mla_dims) if info.mla else []
+        if mla_drafter:
+            misfits += _amx_mla_misfits("the drafter's", cfg.draft.mla_dims(info.mla_dims))
+        if misfits:
+            return f"vLLM-CPU's AMX MLA kernels do not fit {'; '.join(misfits)}"
+    head = (info.mla_dims["kv_lora_rank"] + info.mla_dims["qk_rope_head_dim"] if info.mla
+            else info.head_dim)
+    if mla_drafter and head not in VLLM_MLA_HEAD_SIZES:
+        return (f"vLLM serves an MLA drafter only beside a verifier of attention head size 320, "
+                f"512 or 576 (its MLA metadata checks the verifier's, here {head}: 'Head "
+                f"dimension {head} is not supported by MLA' at the first request)")
     return None
 
 
@@ -154,26 +200,26 @@ def cpu_verdicts(cfg: "Config") -> list[tuple[str, Optional[bool], str]]:
     None = not a question here (a GPU node: the engines' GPU builds decide)."""
     f = features()
     if has_gpu():
-        return [("machine", None, "a GPU is visible: CPU kernels are not used")]
-    out = [("CPU instruction set", f.avx2,
-            f"{f.summary()}; vLLM-CPU loads {f.vllm_kernels}" if f.avx2 else
-            f"{f.summary()}: vLLM-CPU needs at least AVX2 (x86-64 since 2013)")]
-    for section, server in engine_servers(cfg).items():
-        if server.dtype == "native":
-            out.append((f"{section}.dtype", True, f"native = {native_dtype()} here"
-                        + ("" if f.native_bf16 else " (no AVX-512-BF16 or AMX: bfloat16 would be "
-                           "emulated at half the speed)")))
-        elif server.dtype == "bfloat16" and not f.native_bf16:
-            out.append((f"{section}.dtype", True, "bfloat16 is emulated on this CPU (half the "
-                        "speed of float32): dtype native would choose float32"))
+        out = [("machine", None, "a GPU is visible: CPU kernels are not used")]
+    else:
+        out = [("CPU instruction set", f.avx2,
+                f"{f.summary()}; vLLM-CPU loads {f.vllm_kernels}" if f.avx2 else
+                f"{f.summary()}: vLLM-CPU needs at least AVX2 (x86-64 since 2013)")]
+        for section, server in engine_servers(cfg).items():
+            if server.dtype == "native":
+                out.append((f"{section}.dtype", True, f"native = {native_dtype()} here" + (
+                    "" if f.native_bf16 else
+                    " (no AVX-512-BF16 or AMX: bfloat16 would be emulated at half the speed)")))
+            elif server.dtype == "bfloat16" and not f.native_bf16:
+                out.append((f"{section}.dtype", True, "bfloat16 is emulated on this CPU (half "
+                            "the speed of float32): dtype native would choose float32"))
     if any(e.name == "vllm" for e in cfg.bench.engines):
         try:
             problem = mla_eagle3_problem(cfg)
         except Exception:  # noqa: BLE001 - no verifier here: nothing to say about it
             problem = None
         if problem:
-            out.append(("stage 06 on vLLM-CPU", False, f"{problem}: bench with "
-                        f"bench.engines=[{{name: hf}}] (the reference decoder) on this CPU"))
+            out.append(("stage 06 on vLLM", False, f"{problem}: {VLLM_MLA_FIX}"))
     return out
 
 

@@ -766,7 +766,9 @@ class Eagle3DraftModel(nn.Module):
             h = layer(h, embeds, cos, sin, mask, layer_cache)
             embeds = None
         if self.cfg.norm_output:
-            h = self.norm(h)
+            # back to the state's dtype: under bf16 autocast the fp32 norm weight promotes its
+            # output, and the next step's rope and keys would then be fp32 beside bf16 ones
+            h = self.norm(h).to(h.dtype)
             return h, self.lm_head(h)
         return h, self.lm_head(self.norm(h))
 

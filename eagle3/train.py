@@ -114,7 +114,7 @@ def draft_model_config(cfg: Config, vocab_size: int, draft_vocab_size: int,
         norm_before_residual=d.norm_before_residual, fc_norm=d.fc_norm,
         norm_output=d.norm_output)
     if d.attention == "mla":
-        dims = {k: getattr(d, k) or (info.mla_dims or {}).get(k) for k in d.MLA_DIMS}
+        dims = d.mla_dims(info.mla_dims)
         unknown = [k for k, v in dims.items() if not v and k != "q_lora_rank"]
         if unknown:
             raise ConfigError(f"draft.attention=mla: set draft.{unknown[0]} (the verifier is not "

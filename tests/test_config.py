@@ -348,3 +348,47 @@ def test_bench_top_p_is_checked_and_kept_from_the_reference_decoder(tmp_path):
     kimi = load_config(REPO / "configs" / "kimi-k2.5.yaml")
     assert (kimi.generate.temperature, kimi.generate.top_p, kimi.bench.top_p) == (1.0, 0.95, 0.95)
     assert 1.0 in kimi.bench.temperature
+
+
+KIMI_MLA = {"q_lora_rank": 64, "kv_lora_rank": 512, "qk_nope_head_dim": 32,
+            "qk_rope_head_dim": 64, "v_head_dim": 32}  # the rehearsal verifier's widths
+
+
+@pytest.mark.parametrize("cpu,verifier,draft,says", [
+    # vLLM's MLA metadata checks the verifier's head size (16 here), on any machine; without
+    # AMX the KV block sizes fail first
+    ("amx", "llama", {"attention": "mla", **KIMI_MLA}, "Head dimension 16 is not supported"),
+    (None, "llama", {"attention": "mla", **KIMI_MLA}, "Head dimension 16"),
+    ("avx512", "llama", {"attention": "mla", **KIMI_MLA}, "No common block size"),
+    ("avx512", "kimi", {}, "No common block size"),
+    ("avx512", "kimi", {"attention": "mla"}, "No common block size"),
+    ("amx", "kimi", {}, None),
+    ("amx", "kimi", {"attention": "mla"}, None),
+    (None, "kimi", {"attention": "mla"}, None),
+    ("amx", "kimi", {"attention": "mla", "qk_nope_head_dim": 48}, "qk_nope_head_dim 48"),
+    ("amx", "kimi", {"attention": "mla", "kv_lora_rank": 256}, "= 320, not 576"),
+    ("amx", "llama", {}, None)])
+def test_where_vllm_serves_an_mla_pair(tmp_path, monkeypatch, cpu, verifier, draft, says):
+    """`mla_eagle3_problem` against what vLLM (0.32 CPU, read and served here) does, first
+    failure first: without AMX its reference MLA kernel shares no KV block size with other
+    attention; its AMX kernels take DeepSeek's and Kimi's MLA widths only; an MLA drafter
+    beside a verifier whose head size its MLA metadata refuses fails the first request
+    anywhere. cpu None is a GPU."""
+    from eagle3 import cpu as cpu_mod
+    flags = {"amx": "avx2,avx512f,avx512_bf16,amx_tile,amx_bf16", "avx512": "avx2,avx512f",
+             None: "avx2"}[cpu]
+    monkeypatch.setenv(cpu_mod.FLAGS_ENV, flags)
+    cpu_mod.features.cache_clear()
+    monkeypatch.setattr(cpu_mod, "has_gpu", lambda: cpu is None)
+    raw = base(tmp_path, draft=draft, bench={"engines": [{"name": "vllm"}]},
+               export={"formats": ["vllm"]})
+    if verifier == "kimi":
+        d = fake_verifier(tmp_path, nested=True)
+        kimi = json.loads((d / "config.json").read_text())
+        kimi["text_config"].update(KIMI_MLA)
+        (d / "config.json").write_text(json.dumps(kimi))
+    cfg = config_from_dict(raw)
+    assert cfg.verifier_info.mla is (verifier == "kimi")
+    problem = cpu_mod.mla_eagle3_problem(cfg)
+    cpu_mod.features.cache_clear()
+    assert (problem is None) if says is None else (says in problem), problem

@@ -13,12 +13,13 @@ from eagle3.ttt import StepStats, TTTSpec, teacher_rows, training_targets, ttt_f
 V, VD, H, HT, NAUX = 96, 40, 32, 24, 3
 
 
-def tiny_model(norm_before_residual=False, num_layers=1) -> Eagle3DraftModel:
+def tiny_model(norm_before_residual=False, num_layers=1, **extra) -> Eagle3DraftModel:
     cfg = DraftModelConfig(hidden_size=H, target_hidden_size=HT, num_aux=NAUX,
                            intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
                            head_dim=8, num_layers=num_layers, rms_norm_eps=1e-6,
                            rope_theta=10000.0, max_position_embeddings=256, vocab_size=V,
-                           draft_vocab_size=VD, norm_before_residual=norm_before_residual)
+                           draft_vocab_size=VD, norm_before_residual=norm_before_residual,
+                           **extra)
     torch.manual_seed(0)
     m = Eagle3DraftModel(cfg)
     with torch.no_grad():
@@ -374,6 +375,24 @@ def test_gradients_reach_every_trainable_weight():
         if p.requires_grad:
             assert p.grad is not None and p.grad.abs().sum() > 0, name
     assert model.embed_tokens.weight.grad is None
+
+
+@pytest.mark.parametrize("norm_output", [False, True])
+def test_bf16_autocast_keeps_every_step_in_one_dtype(norm_output):
+    """Under bf16 autocast the fp32 norm weights promote what they touch; the state a step hands
+    the next (EAGLE-3.1's normed output included) must stay bf16, or the next step's rope and
+    keys come out fp32 beside bf16 ones and attention refuses them."""
+    model = tiny_model(fc_norm=True, norm_output=norm_output).float()
+    docs = [{k: (v.float() if v.is_floating_point() else v) for k, v in s.items()}
+            for s in samples([12, 7])]
+    batch = collate(docs, 1000)
+    head = VerifierHead.of(torch.randn(V, HT), torch.arange(VD) + model.d2t)
+    teacher = make_teacher(batch.final, head)  # outside autocast, as training builds it
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, stats = ttt_forward(model, batch, teacher, TTTSpec(3, 0.8))
+    loss.backward()
+    assert torch.isfinite(loss) and stats.counted[2] > 0
+    assert model.fc.weight.grad is not None
 
 
 def test_metrics_definitions():
