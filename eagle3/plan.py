@@ -86,13 +86,34 @@ def data_estimate(cfg: Config) -> dict[str, Any]:
     mean_tokens = sum(tokens) / len(tokens) if tokens else cfg.data.max_seq_len / 2
     n = len(rows) + prompts.assumed
     all_turns = sum(turns) + prompts.assumed * mean_turns
-    return {"prompts": n, "turns": round(all_turns), "answer_tokens": answer,
-            "generated_tokens": all_turns * answer,
-            "tokens": sum(tokens) + prompts.assumed * mean_tokens,
-            "tokens_max": n * cfg.data.max_seq_len, "token_source": how,
-            "assumed": prompts.assumed,
-            "per_source": {name: (st["usable"], st["selected"])
-                           for name, st in prompts.stats.items()}}
+    out = {"prompts": n, "turns": round(all_turns), "answer_tokens": answer,
+           "answer_source": f"{cfg.plan.answer_fraction} x max_new_tokens",
+           "generated_tokens": all_turns * answer,
+           "tokens": sum(tokens) + prompts.assumed * mean_tokens,
+           "tokens_max": n * cfg.data.max_seq_len, "token_source": how,
+           "assumed": prompts.assumed,
+           "per_source": {name: (st["usable"], st["selected"])
+                          for name, st in prompts.stats.items()}}
+    return {**out, **stage01_measured(cfg)}
+
+
+def stage01_measured(cfg: Config) -> dict[str, Any]:
+    """What this run's stage 01 measured, where it finished with this config: the answers the
+    verifier really gave and the samples' real tokens, which decide stage 02's disk and the
+    store / stream choice (the estimate assumes answers of `plan.answer_fraction` x
+    max_new_tokens; the quality config's ran 1.8x longer)."""
+    from eagle3.runs import Stage
+
+    stage = Stage(cfg, 1)
+    manifest = stage.manifest() if stage.is_done() else {}
+    counts = manifest.get("counts", {})
+    if not counts.get("samples") or stage.changes(manifest):
+        return {}
+    turns = counts["samples"] * counts["turns"]["mean"]
+    return {"turns": round(turns), "answer_tokens": counts["generated_tokens"] / turns,
+            "answer_source": "measured by stage 01", "generated_tokens":
+            counts["generated_tokens"], "tokens": counts["tokens"],
+            "token_source": f"measured by stage 01, {counts['samples']} samples"}
 
 
 def verifier_loads(cfg: Config) -> dict[str, int]:
@@ -560,7 +581,7 @@ def render_plan(cfg: Config) -> tuple[str, list[Verdict]]:
              + (f" (of data.num_samples={cfg.data.num_samples}: the sources have no more)"
                 if d["prompts"] < cfg.data.num_samples else "")
              + f", {d['turns']} turns, ~{d['answer_tokens']:.0f} "
-             f"tokens per answer ({p.answer_fraction} x max_new_tokens), ~"
+             f"tokens per answer ({d['answer_source']}), ~"
              f"{d['generated_tokens'] / 1e6:.1f}M generated tokens: "
              f"{_hours(d['generated_tokens'], p.generate_tok_s)}",
              f"   per source (usable / taken): " + ", ".join(

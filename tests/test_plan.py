@@ -196,3 +196,24 @@ def test_the_plan_weighs_storing_against_streaming():
     assert verifier_loads(streamed)["04"] == 1
     assert verifier_loads(load_config(kimi, ["hidden_states.mode=stream",
                                              "hidden_states.server_urls=[http://n2:8000]"]))["04"] == 0
+
+
+def test_after_stage_01_the_plan_uses_what_it_measured(tmp_path, tiny_verifier):
+    """Stage 02's disk and the store / stream choice follow the samples stage 01 really made,
+    not the answer-length assumption; a stage 01 made with another config is not used."""
+    from conftest import run_stage
+    from eagle3.config import load_config
+    from eagle3.plan import data_estimate
+    from eagle3.runs import Stage
+
+    cfg = make_config(tmp_path, tiny_verifier, data={"num_samples": 6, "max_user_turns": 1})
+    assumed = data_estimate(cfg)
+    assert assumed["answer_source"] == "0.5 x max_new_tokens"
+    run_stage("01_generate_data.py", cfg, check=True)
+    counts = Stage(cfg, 1).manifest()["counts"]
+    measured = data_estimate(cfg)
+    assert measured["tokens"] == counts["tokens"] != assumed["tokens"]
+    assert measured["generated_tokens"] == counts["generated_tokens"]
+    assert measured["answer_source"] == "measured by stage 01"
+    other = load_config(cfg.source, ["generate.max_new_tokens=8"])
+    assert data_estimate(other)["answer_source"] == "0.5 x max_new_tokens"
