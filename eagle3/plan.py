@@ -107,8 +107,9 @@ def stage01_measured(cfg: Config) -> dict[str, Any]:
     stage = Stage(cfg, 1)
     manifest = stage.manifest() if stage.is_done() else {}
     counts = manifest.get("counts", {})
-    if not counts.get("samples") or stage.changes(manifest):
-        return {}
+    if not counts.get("samples") or not {"generated_tokens", "tokens", "turns"} <= set(counts) \
+            or stage.changes(manifest):
+        return {}  # not run, run with another config, or a manifest without these counts
     turns = counts["samples"] * counts["turns"]["mean"]
     return {"turns": round(turns), "answer_tokens": counts["generated_tokens"] / turns,
             "answer_source": "measured by stage 01", "generated_tokens":
