@@ -44,7 +44,7 @@ from typing import Any, Callable, Iterator, Optional
 from eagle3.config import (BUILTIN_PROMPT_SETS, BenchEngineConfig, Config, ConfigError, Depth,
                            ServerConfig, SourceConfig, check_sglang_engines,
                            sglang_sampling_problem)
-from eagle3.cpu import VLLM_MLA_FIX, mla_eagle3_problem, resolve_dtype
+from eagle3.cpu import resolve_dtype, vllm_engine_problem
 from eagle3.engines import Server, http_get, root_cause, start_server
 from eagle3.runs import (Stage, StageError, atomic_write_json, atomic_write_text, clean_stale_tmp,
                          file_records, move_aside)
@@ -962,10 +962,9 @@ def run_bench(stage: Stage) -> None:
     started = time.time()
     cfg = stage.cfg
     check_sglang_engines(cfg)  # SGLang's drafter backend vs an MLA verifier (docs/engines.md)
-    if any(e.name == "vllm" for e in cfg.bench.engines):
-        problem = mla_eagle3_problem(cfg)  # vLLM's MLA kernels and metadata (docs/engines.md)
-        if problem:
-            raise ConfigError(f"bench.engines[vllm]: {problem}: {VLLM_MLA_FIX}")
+    problem = vllm_engine_problem(cfg)  # vLLM's MLA kernels and metadata (docs/engines.md)
+    if problem:
+        raise ConfigError(f"bench.engines[vllm]: {problem}")
     stage.require(5)
     for engine in cfg.bench.engines:
         fmt = "vllm" if engine.name == REFERENCE else engine.name  # the reference reads vLLM's

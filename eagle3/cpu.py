@@ -139,9 +139,6 @@ def resolve_dtype(dtype: Optional[str]) -> Optional[str]:
 VLLM_MLA_HEAD_SIZES = (320, 512, 576)
 
 
-VLLM_MLA_FIX = "bench with another engine (bench.engines: hf, the reference decoder, or sglang)"
-
-
 def _amx_mla_misfits(who: str, dims: dict[str, Optional[int]]) -> list[str]:
     """How an MLA layer's widths miss vLLM-CPU's AMX kernels: AMX_MLA declares the latent width
     576 only (kv_lora_rank 512 + qk_rope_head_dim 64) and packs W_UK [kv_lora_rank x
@@ -172,15 +169,12 @@ def mla_eagle3_problem(cfg: "Config") -> Optional[str]:
     mla_drafter = cfg.draft.attention == "mla"
     if not (info.mla or mla_drafter):
         return None
-    if not has_gpu() and not features().amx:
-        if info.mla:
-            return ("vLLM-CPU without AMX cannot pair an MLA verifier with an EAGLE-3 drafter "
-                    "(its reference MLA kernel needs KV blocks of 16, the drafter's attention "
-                    "multiples of 32: 'No common block size')")
-        return ("vLLM-CPU without AMX cannot serve an MLA drafter beside this verifier (its "
-                "reference MLA kernel needs KV blocks of 16, the verifier's attention multiples "
-                "of 32: 'No common block size')")
     if not has_gpu():
+        if not features().amx:
+            pair, other = (("an MLA verifier with an EAGLE-3 drafter", "the drafter's") if info.mla
+                           else ("an MLA drafter with this verifier", "the verifier's"))
+            return (f"vLLM-CPU without AMX cannot pair {pair} (its reference MLA kernel needs KV "
+                    f"blocks of 16, {other} attention multiples of 32: 'No common block size')")
         misfits = _amx_mla_misfits("the verifier's", info.mla_dims) if info.mla else []
         if mla_drafter:
             misfits += _amx_mla_misfits("the drafter's", cfg.draft.mla_dims(info.mla_dims))
@@ -193,6 +187,15 @@ def mla_eagle3_problem(cfg: "Config") -> Optional[str]:
                 f"512 or 576 (its MLA metadata checks the verifier's, here {head}: 'Head "
                 f"dimension {head} is not supported by MLA' at the first request)")
     return None
+
+
+def vllm_engine_problem(cfg: "Config") -> Optional[str]:
+    """`mla_eagle3_problem` with what to do instead, where cfg benches on vLLM; else None."""
+    if not any(e.name == "vllm" for e in cfg.bench.engines):
+        return None
+    problem = mla_eagle3_problem(cfg)
+    return (f"{problem}: bench with another engine (bench.engines: hf, the reference decoder, "
+            f"or sglang)" if problem else None)
 
 
 def cpu_verdicts(cfg: "Config") -> list[tuple[str, Optional[bool], str]]:
@@ -213,13 +216,12 @@ def cpu_verdicts(cfg: "Config") -> list[tuple[str, Optional[bool], str]]:
             elif server.dtype == "bfloat16" and not f.native_bf16:
                 out.append((f"{section}.dtype", True, "bfloat16 is emulated on this CPU (half "
                             "the speed of float32): dtype native would choose float32"))
-    if any(e.name == "vllm" for e in cfg.bench.engines):
-        try:
-            problem = mla_eagle3_problem(cfg)
-        except Exception:  # noqa: BLE001 - no verifier here: nothing to say about it
-            problem = None
-        if problem:
-            out.append(("stage 06 on vLLM", False, f"{problem}: {VLLM_MLA_FIX}"))
+    try:
+        problem = vllm_engine_problem(cfg)
+    except Exception:  # noqa: BLE001 - no verifier here: nothing to say about it
+        problem = None
+    if problem:
+        out.append(("stage 06 on vLLM", False, problem))
     return out
 
 
