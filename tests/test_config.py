@@ -368,7 +368,8 @@ KIMI_MLA = {"q_lora_rank": 64, "kv_lora_rank": 512, "qk_nope_head_dim": 32,
     ("amx", "kimi", {"attention": "mla", "qk_nope_head_dim": 48}, "qk_nope_head_dim 48"),
     ("amx", "kimi", {"attention": "mla", "kv_lora_rank": 256}, "= 320, not 576"),
     ("amx", "llama", {}, None)])
-def test_where_vllm_serves_an_mla_pair(tmp_path, monkeypatch, cpu, verifier, draft, says):
+def test_where_vllm_serves_an_mla_pair(tmp_path, monkeypatch, cpu_flags, cpu, verifier, draft,
+                                      says):
     """`mla_eagle3_problem` against what vLLM (0.32 CPU, read and served here) does, first
     failure first: without AMX its reference MLA kernel shares no KV block size with other
     attention; its AMX kernels take DeepSeek's and Kimi's MLA widths only; an MLA drafter
@@ -377,8 +378,7 @@ def test_where_vllm_serves_an_mla_pair(tmp_path, monkeypatch, cpu, verifier, dra
     from eagle3 import cpu as cpu_mod
     flags = {"amx": "avx2,avx512f,avx512_bf16,amx_tile,amx_bf16", "avx512": "avx2,avx512f",
              None: "avx2"}[cpu]
-    monkeypatch.setenv(cpu_mod.FLAGS_ENV, flags)
-    cpu_mod.features.cache_clear()
+    cpu_flags(flags)
     monkeypatch.setattr(cpu_mod, "has_gpu", lambda: cpu is None)
     raw = base(tmp_path, draft=draft, bench={"engines": [{"name": "vllm"}]},
                export={"formats": ["vllm"]})
@@ -390,5 +390,4 @@ def test_where_vllm_serves_an_mla_pair(tmp_path, monkeypatch, cpu, verifier, dra
     cfg = config_from_dict(raw)
     assert cfg.verifier_info.mla is (verifier == "kimi")
     problem = cpu_mod.mla_eagle3_problem(cfg)
-    cpu_mod.features.cache_clear()
     assert (problem is None) if says is None else (says in problem), problem

