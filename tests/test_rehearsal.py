@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from conftest import AVX2_ENV, REPO
+from conftest import AVX2_ENV, REPO, VLLM_CPU_ENV
 from eagle3.config import load_config
 from eagle3.cpu import mla_eagle3_problem
 
@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.slow,
 SMALLEST = ["data.num_samples=4", "generate.max_new_tokens=16", "train.epochs=2",
             "train.measure_samples=2", "bench.num_prompts=2", "bench.max_tokens=16"]
 STAGE_01_ON_AVX2 = ["generate.server.dtype=float32", "generate.server.env=" + json.dumps(
-    {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", **AVX2_ENV})]
+    {**VLLM_CPU_ENV, **AVX2_ENV})]
 
 
 def test_kimi_rehearsal(tmp_path, kimi_verifier):

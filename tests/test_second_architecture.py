@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import AVX2_ENV, make_config, run_stage
+from conftest import AVX2_ENV, VLLM_CPU_ENV, make_config, run_stage
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -119,7 +119,7 @@ def gemma_run(tmp_path_factory, gemma_verifier):
         bench={"engines": [{"name": "vllm", "depths": [3], "baseline": False, "server": {
             "max_model_len": 512, "startup_timeout_s": 300.0,
             "dtype": "native", "extra_args": ["--enforce-eager", "--model-impl", "transformers"],
-            "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}}}],
+            "env": VLLM_CPU_ENV}}],
             "num_prompts": 3, "max_tokens": 16, "concurrency": [2], "temperature": [0.0],
             "expect_trained": False})
     for script in ("01_generate_data.py", "02_extract_hidden_states.py",

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from conftest import VLLM_CPU_ENV
 from eagle3 import checkpoint, formats
 from eagle3.model import DraftModelConfig, Eagle3DraftModel
 
@@ -35,7 +36,7 @@ def test_random_drafter_serves_in_vllm(tmp_path, smollm2):
         bench={"engines": [{"name": "vllm", "depths": [3], "baseline": False, "server": {
             "max_model_len": 512, "startup_timeout_s": 240.0,
             "dtype": "native", "extra_args": ["--enforce-eager"],
-            "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}}}],
+            "env": VLLM_CPU_ENV}}],
             "num_prompts": 3, "max_tokens": 16, "concurrency": [3], "expect_trained": False})
     info = cfg.verifier_info
     draft = DraftModelConfig(
@@ -97,9 +98,7 @@ def test_converted_drafters_serve_in_vllm(tmp_path, smollm2, layout):
                 "--dtype", "bfloat16")
     cfg = make_config(tmp_path, smollm2)
     server = ServerConfig(startup_timeout_s=240.0, max_model_len=512, dtype="native",
-                          extra_args=["--enforce-eager"],
-                          env={"VLLM_CPU_KVCACHE_SPACE": "1",
-                               "VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+                          extra_args=["--enforce-eager"], env=VLLM_CPU_ENV)
     log = tmp_path / "vllm.log"
     with engines.start_server("vllm", cfg, server, "test", log, max_model_len=512,
                               args=bench.vllm_speculative_args(tmp_path / "out" / "vllm", 3)
@@ -145,10 +144,10 @@ def test_mla_drafter_loads_whole_in_vllm_cpu(tmp_path, smollm2, cpu_flags, cpu):
     from eagle3.cpu import features, mla_eagle3_problem
     from eagle3.verifier import read_tensor
 
-    engine_env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    engine_env = VLLM_CPU_ENV
     if cpu == "avx2":
         cpu_flags(AVX2_FLAGS)
-        engine_env.update(AVX2_ENV)
+        engine_env = {**VLLM_CPU_ENV, **AVX2_ENV}
     embed = read_tensor(smollm2, "embed")
     vocab, hidden = embed.shape
     cfg = dataclasses.replace(draft_config(vocab, hidden, 9, 9), attention="mla", head_dim=192,
