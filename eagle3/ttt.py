@@ -195,8 +195,8 @@ def acceptance_probability(draft_logits: torch.Tensor, teacher_logits: torch.Ten
 
 LOSS_CHUNK: Optional[int] = None
 """Token rows per chunk of a step's loss (None: `_chunk_rows` picks by device): the float32
-[chunk, V_draft] softmaxes of one chunk exist at a time, and none is kept for backward (the
-`kl` loss keeps the logits' gradient instead, the LK losses recompute each chunk)."""
+[chunk, V_draft] buffers of one chunk exist at a time; backward keeps the logits' gradient only
+(`StepLoss`)."""
 
 LOSS_CHUNK_BYTES = {"cpu": 8 << 20, "default": 512 << 20}
 """One float32 [chunk, V_draft] buffer's size. On a CPU, small: glibc returns blocks over 32 MiB
@@ -226,29 +226,47 @@ def _teacher_probs(t_logits: torch.Tensor, t_lse: torch.Tensor, temperature: flo
     return torch.sub(t, t_lse[..., None].to(dtype)).exp_()
 
 
-class SoftCrossEntropy(torch.autograd.Function):
-    """The `kl` loss of one TTT step, sum_t w_t * (-sum_x p~_t(x) log q_t(x)), and each row's
+ALPHA_FLOOR = 1e-5
+"""`lk_alpha` takes -log max(alpha, floor): alpha = 0 (no overlap) would give an infinite loss
+(speculators clamps at 1e-5 too); below the floor a position has no gradient."""
+
+
+class StepLoss(torch.autograd.Function):
+    """The loss of one TTT step, sum_t w_t * loss_t for `loss` in `LOSSES`, and each row's
     acceptance probability alpha (not differentiated), in `_chunk_rows` rows at a time.
 
-    Written out rather than left to autograd because it is most of a step's elementwise work:
-    with q = softmax(z), -sum p~ log q = logsumexp(z) - p~ . z (p~ sums to 1) and its gradient
-    is w (q - p~), which forward computes while it has q and p~ at hand (the loss is a scalar,
-    so backward only scales it). What is kept for backward is that gradient, in the logits'
-    dtype, in place of the logits themselves (autograd would keep the logits and recompute or
-    keep the softmaxes); no teacher row is gathered: a step's teacher rows are a view.
+    Written out rather than left to autograd because it is most of a step's elementwise work
+    (autograd through softmax, log-softmax and min kept or recomputed a dozen [T, V_d] float32
+    buffers per chunk: at a full 49,152-row vocabulary the LK losses took 17-20 s of a 19-22 s
+    TTT unroll, bench/RESULTS.md "The step loss written out"). With q = softmax(z) and the
+    loss a scalar, forward computes the gradient while it has q and p~ at hand, and backward
+    only scales it. Per row, with g(x) = 1[q(x) < p(x)] (where min(p, q) follows q) and
+    S = sum_x g(x) q(x):
+        kl         -sum p~ log q = logsumexp(z) - p~ . z         d/dz = q - p~
+        alpha      sum_x min(p(x), q(x))                          d/dz = q (g - S)
+        lk_alpha   -log max(alpha, floor)                         d/dz = -q (g - S) / alpha
+        lk_lambda  lam KL(p~ || q) + (1 - lam)(1 - alpha)         d/dz = lam (q - p~)
+                   KL = logsumexp(z) - t_lse + p~ . (t / tau - z)        - (1 - lam) q (g - S)
+    (sum p~ = 1 over the draft vocabulary; t / tau - t_lse = log p~; `lam` is detached, a
+    constant here; where p = q, torch.minimum's autograd would split the gradient, here it
+    follows p: a measure-zero difference). What is kept for backward is that gradient, in the
+    logits' dtype, in place of the logits themselves; no teacher row is gathered: a step's
+    teacher rows are a view.
 
     Inputs: logits [B, T, Vd] (rows n.. carry no loss: the step's source lies past the batch),
-    the teacher's draft logits, its draft log-normalizer at `temperature` and its full
-    log-normalizer for rows 0..n-1 of this step, weight [B, T]."""
+    the teacher's draft logits, its draft log-normalizer at `temperature` (the KL temperature;
+    unused by `lk_alpha`) and its full log-normalizer for rows 0..n-1 of this step, weight
+    [B, T], and `lam` (a 0-d tensor; `lk_lambda` only)."""
 
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, t_logits: torch.Tensor, t_lse: torch.Tensor,
-                lse: torch.Tensor, weight: torch.Tensor, temperature: float
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                lse: torch.Tensor, weight: torch.Tensor, temperature: float, loss: str,
+                lam: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         B, T, n = logits.shape[0], logits.shape[1], t_logits.shape[1]
         dtype, chunk = _loss_dtype(logits), _chunk_rows(logits)
         alpha = logits.new_zeros(B, T, dtype=dtype)
         total = logits.new_zeros((), dtype=dtype)
+        lam = lam.to(dtype) if lam is not None else None
         grad = None
         if ctx.needs_input_grad[0]:
             grad = torch.empty_like(logits)
@@ -265,17 +283,45 @@ class SoftCrossEntropy(torch.autograd.Function):
                 total_q = q.sum(-1, keepdim=True)
                 lz = (top + total_q.log()).squeeze(-1)
                 q /= total_q
-                p_tilde = _teacher_probs(t_logits[:, s:e], t_lse[:, s:e], temperature, dtype)
                 w = weight[:, s:e].to(dtype)
-                total += ((lz - torch.linalg.vecdot(p_tilde, z)) * w).sum()
-                if grad is not None:
-                    grad[:, s:e] = (q - p_tilde).mul_(w[..., None])
-                # alpha = sum_x min(p(x), q(x)) with p = exp(t - lse): at temperature 1 that is
-                # p~ scaled by exp(t_lse - lse) per row, one pass instead of two.
-                p = (p_tilde.mul_(torch.exp(t_lse[:, s:e] - lse[:, s:e])[..., None].to(dtype))
-                     if temperature == 1.0 else torch.exp(t_logits[:, s:e].to(dtype)
-                                                          - lse[:, s:e, None].to(dtype)))
-                alpha[:, s:e] = torch.minimum(p, q, out=q).sum(-1)
+                p_tilde = (_teacher_probs(t_logits[:, s:e], t_lse[:, s:e], temperature, dtype)
+                           if loss != "lk_alpha" else None)
+                # p = exp(t - lse); at temperature 1 that is p~ scaled per row by exp(t_lse - lse)
+                # (in p~'s buffer where p~ is done with: one pass instead of two)
+                to_p = (torch.exp(t_lse[:, s:e] - lse[:, s:e])[..., None].to(dtype)
+                        if temperature == 1.0 and p_tilde is not None else None)
+                if loss == "kl":
+                    total += ((lz - torch.linalg.vecdot(p_tilde, z)) * w).sum()
+                    if grad is not None:
+                        grad[:, s:e] = (q - p_tilde).mul_(w[..., None])
+                    p = (p_tilde.mul_(to_p) if to_p is not None else
+                         torch.exp(t_logits[:, s:e].to(dtype) - lse[:, s:e, None].to(dtype)))
+                    a = torch.minimum(p, q, out=q).sum(-1)
+                else:
+                    p = (p_tilde * to_p if to_p is not None else
+                         torch.exp(t_logits[:, s:e].to(dtype) - lse[:, s:e, None].to(dtype)))
+                    g = torch.lt(q, p) if grad is not None else None
+                    a = torch.minimum(p, q, out=p).sum(-1)
+                    if loss == "lk_alpha":
+                        a_floor = a.clamp(min=ALPHA_FLOOR)
+                        total += (-torch.log(a_floor) * w).sum()
+                        scale = torch.where(a >= ALPHA_FLOOR, -w / a_floor, 0.0)  # of d alpha
+                    else:  # lk_lambda
+                        t = t_logits[:, s:e].to(dtype)
+                        p_t = torch.linalg.vecdot(p_tilde, t)
+                        kl = (lz - t_lse[:, s:e].to(dtype) - torch.linalg.vecdot(p_tilde, z)
+                              + (p_t / temperature if temperature != 1.0 else p_t))
+                        total += ((lam * kl + (1 - lam) * (1 - a)) * w).sum()
+                        scale = (lam - 1) * w
+                    if grad is not None:
+                        # d alpha = q (g - S), built in p's buffer, scaled per row
+                        d_alpha = torch.mul(q, g, out=p)
+                        d_alpha.addcmul_(q, d_alpha.sum(-1, keepdim=True), value=-1)
+                        d_alpha.mul_(scale[..., None])
+                        if loss == "lk_lambda":  # + lam w (q - p~)
+                            d_alpha.add_(q.sub_(p_tilde).mul_((lam * w)[..., None]))
+                        grad[:, s:e] = d_alpha
+                alpha[:, s:e] = a
         if grad is not None:
             ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(alpha)
@@ -285,22 +331,7 @@ class SoftCrossEntropy(torch.autograd.Function):
     def backward(ctx: Any, grad_total: torch.Tensor, _grad_alpha: torch.Tensor
                  ) -> tuple[Optional[torch.Tensor], ...]:
         grad, = ctx.saved_tensors
-        return grad * grad_total.to(grad.dtype), None, None, None, None, None
-
-
-def _chunk_loss(spec: TTTSpec, logits: torch.Tensor, t_logits: torch.Tensor, lse: torch.Tensor,
-                weight: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
-    """Sum over one chunk of positions of weight x the per-position LK loss (float32)."""
-    if spec.loss == "lk_alpha":
-        # alpha = 0 (no overlap) would give an infinite loss; speculators clamps at 1e-5 too.
-        per_pos = -torch.log(acceptance_probability(logits, t_logits, lse).clamp(min=1e-5))
-    else:  # lk_lambda
-        log_q = torch.log_softmax(logits.float(), dim=-1)
-        p_tilde = torch.softmax(t_logits.float() / spec.kl_temperature, dim=-1)
-        kl = (p_tilde * (torch.log(p_tilde.clamp(min=1e-30)) - log_q)).sum(-1)
-        alpha = acceptance_probability(logits, t_logits, lse)
-        per_pos = lam * kl + (1.0 - lam) * (1.0 - alpha)
-    return (per_pos * weight).sum()
+        return (grad * grad_total.to(grad.dtype),) + (None,) * 7
 
 
 def step_loss(spec: TTTSpec, logits: torch.Tensor, t_logits: torch.Tensor, t_lse: torch.Tensor,
@@ -314,37 +345,26 @@ def step_loss(spec: TTTSpec, logits: torch.Tensor, t_logits: torch.Tensor, t_lse
     the draft vocabulary), `n` the counted positions (the normaliser of every loss, as for KL).
 
     Memory: the loss runs over `_chunk_rows` token rows at a time and backward keeps only the
-    step's logits, never a float32 [T, V_d] softmax (keeping them cost ~17 bytes per
-    draft-vocabulary row, token and TTT step: about 60 GB for a 16k-token Kimi micro-batch at
-    TTT 7; bench/RESULTS.md "Training memory"). `kl` is `SoftCrossEntropy`; the LK losses
-    recompute each chunk in backward under activation checkpointing."""
+    logits' gradient (`StepLoss`), never a float32 [T, V_d] softmax (keeping them cost ~17 bytes
+    per draft-vocabulary row, token and TTT step: about 60 GB for a 16k-token Kimi micro-batch
+    at TTT 7; bench/RESULTS.md "Training memory")."""
     if spec.loss not in LOSSES:
         raise ValueError(f"unknown TTT loss {spec.loss!r}: one of {', '.join(LOSSES)}")
-    if spec.loss == "kl":
-        total, alpha = SoftCrossEntropy.apply(logits, t_logits, t_lse, lse, weight,
-                                              spec.kl_temperature)
-        return total.float() / n.clamp(min=1), alpha.float()
-    T, rows = logits.shape[1], t_logits.shape[1]
-    chunk = _chunk_rows(logits)
-    bounds = [(s, min(s + chunk, rows)) for s in range(0, rows, chunk)]
-    with torch.no_grad():
-        alpha = logits.new_zeros(logits.shape[0], T, dtype=torch.float32)
-        for s, e in bounds:
-            alpha[:, s:e] = acceptance_probability(logits[:, s:e], t_logits[:, s:e],
-                                                   lse[:, s:e])
-    lam = alpha.new_zeros((), dtype=torch.float64)
-    if spec.loss == "lk_lambda":  # on the device, summed over ranks: no host sync
-        sums = dist.all_reduce_tensor(torch.stack([(alpha * weight).sum().double(),
-                                                   n.double()]))
-        lam = torch.exp(-spec.lk_eta * sums[0] / sums[1].clamp(min=1.0))
-    grad = torch.is_grad_enabled() and logits.requires_grad
-    total = logits.new_zeros((), dtype=torch.float32)
-    for s, e in bounds:
-        args = (spec, logits[:, s:e], t_logits[:, s:e], lse[:, s:e], weight[:, s:e], lam)
-        total = total + (torch.utils.checkpoint.checkpoint(_chunk_loss, *args,
-                                                           use_reentrant=False)
-                         if grad else _chunk_loss(*args))
-    return total / n.clamp(min=1), alpha
+    lam = None
+    if spec.loss == "lk_lambda":  # lambda needs every position's alpha first: one extra pass
+        with torch.no_grad():
+            alpha = logits.new_zeros(logits.shape[:2], dtype=torch.float32)
+            for s in range(0, t_logits.shape[1], _chunk_rows(logits)):
+                e = min(s + _chunk_rows(logits), t_logits.shape[1])
+                alpha[:, s:e] = acceptance_probability(logits[:, s:e], t_logits[:, s:e],
+                                                       lse[:, s:e])
+            # on the device, summed over ranks: no host sync
+            sums = dist.all_reduce_tensor(torch.stack([(alpha * weight).sum().double(),
+                                                       n.double()]))
+            lam = torch.exp(-spec.lk_eta * sums[0] / sums[1].clamp(min=1.0))
+    total, alpha = StepLoss.apply(logits, t_logits, t_lse, lse, weight, spec.kl_temperature,
+                                  spec.loss, lam)
+    return total.float() / n.clamp(min=1), alpha.float()
 
 
 def _plain_step(model: Eagle3DraftModel, h: torch.Tensor, input_ids: torch.Tensor,
@@ -402,7 +422,7 @@ def ttt_forward(model: Eagle3DraftModel, batch: Batch, teacher: Teacher, spec: T
     total = h.new_zeros(())
     stats = StepStats.zeros(spec.ttt_steps, estimate_temperature)
     t_lse = _draft_log_normalizer(teacher.draft_logits, spec.kl_temperature) \
-        if spec.loss == "kl" else teacher.lse
+        if spec.loss != "lk_alpha" else teacher.lse
     per_step: list[list[torch.Tensor]] = []  # per step: loss, counted, correct, full, alpha,
     for k in range(spec.ttt_steps):           # expected, expected_greedy (device scalars)
         src = idx + 1 + k                      # position of the input token (and its teacher)

@@ -518,8 +518,9 @@ def saved_for_backward(model, batch, teacher, spec) -> list[torch.Tensor]:
 
 
 def test_what_backward_keeps_is_bounded():
-    """The loss keeps no float32 [T, V_draft] tensor (chunks are recomputed), and activation
-    checkpointing keeps under a fifth of the bytes kept without it."""
+    """The loss keeps no float32 [T, V_draft] tensor (only the logits' gradient, in their
+    dtype: float64 here), and activation checkpointing keeps under a fifth of the bytes kept
+    without it."""
     model = tiny_model()
     lm_head = torch.randn(V, HT, dtype=torch.float64)
     batch = collate(samples([40, 30, 50]), max_tokens=1000)
@@ -571,10 +572,26 @@ def test_rms_norm_backward_equals_autograd(dtype):
         torch.testing.assert_close(a, b, **tol)
 
 
+def reference_step_loss(loss, z, t_logits, lse, weight, temperature, lam):
+    """The per-position losses of eagle3/ttt.py's docstring, written plainly for autograd."""
+    log_q = torch.log_softmax(z, -1)
+    p_tilde = torch.softmax(t_logits / temperature, dim=-1)
+    alpha = torch.minimum(torch.exp(t_logits - lse[..., None]), log_q.exp()).sum(-1)
+    if loss == "kl":
+        per_pos = -(p_tilde * log_q).sum(-1)
+    elif loss == "lk_alpha":
+        per_pos = -torch.log(alpha.clamp(min=1e-5))
+    else:
+        kl = (p_tilde * (torch.log(p_tilde.clamp(min=1e-30)) - log_q)).sum(-1)
+        per_pos = lam * kl + (1 - lam) * (1 - alpha)
+    return (per_pos * weight).sum()
+
+
+@pytest.mark.parametrize("loss", ["kl", "lk_alpha", "lk_lambda"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_soft_cross_entropy_equals_autograd(temperature, monkeypatch):
-    """`SoftCrossEntropy` (the `kl` step loss, its gradient made in forward, chunks of 3 rows)
-    against autograd through -sum p~ log softmax(z): the weighted sum, alpha against
+def test_step_loss_equals_autograd(loss, temperature, monkeypatch):
+    """`StepLoss` (each loss with its gradient made in forward, chunks of 3 rows) against
+    autograd through the losses written plainly: the weighted sum, alpha against
     `acceptance_probability`, the logits' gradient; rows past the teacher's carry nothing."""
     import eagle3.ttt as ttt
 
@@ -587,19 +604,40 @@ def test_soft_cross_entropy_equals_autograd(temperature, monkeypatch):
     t_lse = (t_logits / temperature).logsumexp(-1)
     weight = (torch.rand(1, T) > 0.3).double()
     weight[:, n:] = 0
-    total, alpha = ttt.SoftCrossEntropy.apply(logits, t_logits, t_lse, lse, weight, temperature)
+    lam = torch.tensor(0.3, dtype=torch.float64)
+    total, alpha = ttt.StepLoss.apply(logits, t_logits, t_lse, lse, weight, temperature, loss,
+                                      lam if loss == "lk_lambda" else None)
     (total * 0.37).backward()
 
     z = logits.detach()[:, :n].clone().requires_grad_()
-    p_tilde = torch.softmax(t_logits / temperature, dim=-1)
-    want = (-(p_tilde * torch.log_softmax(z, -1)).sum(-1) * weight[:, :n]).sum()
+    want = reference_step_loss(loss, z, t_logits, lse, weight[:, :n], temperature, lam)
     (want * 0.37).backward()
     torch.testing.assert_close(total, want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(logits.grad[:, :n], z.grad, rtol=1e-12, atol=1e-12)
+    assert logits.grad[:, :n].abs().sum() > 0
     assert torch.equal(logits.grad[:, n:], torch.zeros_like(logits.grad[:, n:]))
     torch.testing.assert_close(alpha[:, :n], ttt.acceptance_probability(z, t_logits, lse)
                                .double(), rtol=1e-6, atol=1e-6)
     assert torch.equal(alpha[:, n:], torch.zeros_like(alpha[:, n:]))
+
+
+def test_lk_alpha_below_its_floor_has_no_gradient():
+    """-log max(alpha, 1e-5): a position whose draft puts no mass where the verifier does
+    contributes -log 1e-5 and no gradient (as autograd through the clamp gives)."""
+    import eagle3.ttt as ttt
+    logits = torch.full((1, 2, VD), -50.0, dtype=torch.float64)
+    logits[0, :, 0] = 50.0                 # q: all mass on token 0
+    t_logits = torch.full((1, 2, VD), -50.0, dtype=torch.float64)
+    t_logits[0, 0, 1] = 50.0               # row 0: p all on token 1 -> alpha ~ 0
+    t_logits[0, 1, 0] = 50.0               # row 1: p on token 0 too -> alpha ~ 1
+    lse = t_logits.logsumexp(-1)
+    logits.requires_grad_()
+    total, alpha = ttt.StepLoss.apply(logits, t_logits, lse, lse,
+                                      torch.ones(1, 2, dtype=torch.float64), 1.0, "lk_alpha", None)
+    total.backward()
+    assert alpha[0, 0] < 1e-5 and alpha[0, 1] > 0.99
+    assert float(total.detach()) == pytest.approx(-math.log(1e-5) - math.log(float(alpha[0, 1])))
+    assert torch.equal(logits.grad[0, 0], torch.zeros(VD, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
