@@ -354,8 +354,9 @@ def step_loss(spec: TTTSpec, logits: torch.Tensor, t_logits: torch.Tensor, t_lse
     if spec.loss == "lk_lambda":  # lambda needs every position's alpha first: one extra pass
         with torch.no_grad():
             alpha = logits.new_zeros(logits.shape[:2], dtype=torch.float32)
-            for s in range(0, t_logits.shape[1], _chunk_rows(logits)):
-                e = min(s + _chunk_rows(logits), t_logits.shape[1])
+            rows, chunk = t_logits.shape[1], _chunk_rows(logits)
+            for s in range(0, rows, chunk):
+                e = min(s + chunk, rows)
                 alpha[:, s:e] = acceptance_probability(logits[:, s:e], t_logits[:, s:e],
                                                        lse[:, s:e])
             # on the device, summed over ranks: no host sync
