@@ -16,7 +16,6 @@ import argparse
 import contextlib
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -24,23 +23,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_teacher_kimi import best_of  # noqa: E402
 from bench_train import setup  # noqa: E402
 
 from eagle3.model import causal_doc_mask  # noqa: E402
 from eagle3.shards import collate  # noqa: E402
 from eagle3.teacher import VerifierHead, make_teacher  # noqa: E402
 from eagle3.ttt import TTTSpec, _draft_log_normalizer, step_loss, ttt_forward  # noqa: E402
-
-
-def best_of(fn, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def measure(args: argparse.Namespace, draft_vocab: int, loss: str) -> dict:
@@ -79,8 +68,14 @@ def measure(args: argparse.Namespace, draft_vocab: int, loss: str) -> dict:
 
     return {"draft_vocab": draft_vocab, "loss": loss, "autocast": args.autocast,
             "tokens": args.tokens, "ttt": args.ttt,
-            "unroll_s": round(best_of(unroll, args.warmup, args.iters), 3),
-            "step_losses_s": round(best_of(losses, args.warmup, args.iters), 3)}
+            "unroll_s": round(timed(unroll, args), 3),
+            "step_losses_s": round(timed(losses, args), 3)}
+
+
+def timed(fn, args: argparse.Namespace) -> float:
+    for _ in range(args.warmup):
+        fn()
+    return best_of(args.iters, fn)
 
 
 def main() -> None:
