@@ -29,7 +29,7 @@ from bench_train import setup  # noqa: E402
 from eagle3.model import causal_doc_mask  # noqa: E402
 from eagle3.shards import collate  # noqa: E402
 from eagle3.teacher import VerifierHead, make_teacher  # noqa: E402
-from eagle3.ttt import TTTSpec, _draft_log_normalizer, step_loss, ttt_forward  # noqa: E402
+from eagle3.ttt import TTTSpec, p_tilde_normalizer, step_loss, ttt_forward  # noqa: E402
 
 
 def measure(args: argparse.Namespace, draft_vocab: int, loss: str) -> dict:
@@ -53,8 +53,7 @@ def measure(args: argparse.Namespace, draft_vocab: int, loss: str) -> dict:
         h = model.project(batch.aux)
         _, logits = model.step(h, batch.input_ids, batch.positions,
                                causal_doc_mask(batch.doc_ids), model.new_cache())
-    t_lse = (_draft_log_normalizer(teacher.draft_logits, spec.kl_temperature)
-             if loss != "lk_alpha" else teacher.lse)
+    t_lse = p_tilde_normalizer(teacher, spec)
     weight = batch.loss_mask.float()
     n = batch.loss_mask.sum()
 

@@ -394,9 +394,13 @@ def _checkpointed_step(model: Eagle3DraftModel, h: torch.Tensor, input_ids: torc
     return h, logits
 
 
-def _draft_log_normalizer(draft_logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """logsumexp over the draft vocabulary of the teacher's logits / temperature, per row [B, T]:
-    once per micro-batch (`_chunk_rows` rows at a time), for every TTT step's p~."""
+def p_tilde_normalizer(teacher: Teacher, spec: TTTSpec) -> torch.Tensor:
+    """The `t_lse` that `step_loss` takes, per row [B, T]: logsumexp over the draft vocabulary of
+    the teacher's logits / the KL temperature, once per micro-batch (`_chunk_rows` rows at a
+    time) for every TTT step's p~; `lk_alpha` reads no p~ and gets the full lse unchanged."""
+    if spec.loss == "lk_alpha":
+        return teacher.lse
+    draft_logits, temperature = teacher.draft_logits, spec.kl_temperature
     dtype, chunk = _loss_dtype(draft_logits), _chunk_rows(draft_logits)
     out = draft_logits.new_empty(draft_logits.shape[:-1], dtype=dtype)
     for s in range(0, draft_logits.shape[1], chunk):
@@ -422,8 +426,7 @@ def ttt_forward(model: Eagle3DraftModel, batch: Batch, teacher: Teacher, spec: T
     alive = chain_p = chain_g = reached = None
     total = h.new_zeros(())
     stats = StepStats.zeros(spec.ttt_steps, estimate_temperature)
-    t_lse = _draft_log_normalizer(teacher.draft_logits, spec.kl_temperature) \
-        if spec.loss != "lk_alpha" else teacher.lse
+    t_lse = p_tilde_normalizer(teacher, spec)
     per_step: list[list[torch.Tensor]] = []  # per step: loss, counted, correct, full, alpha,
     for k in range(spec.ttt_steps):           # expected, expected_greedy (device scalars)
         src = idx + 1 + k                      # position of the input token (and its teacher)
