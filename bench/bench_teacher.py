@@ -11,6 +11,14 @@ log-normalizer from `TeacherCache`, leaving the draft-vocabulary product. This t
 `make_teacher` these three ways and one whole training micro-batch (teacher + TTT forward +
 backward, the trainer's path), in fp32 and under bf16 autocast, on the first packed batches of
 a finished stage 02, as the trainer builds them.
+
+With a full-vocabulary stage 03 (`vocab.draft_vocab_size=full`) it times instead the first
+epoch's teacher two ways: the statistics from a second full product (`document_stats`, before)
+and read off the draft product, which is the full one (`make_teacher` alone, now), and a bf16
+training micro-batch (the config's loss) with each:
+
+    .venv/bin/python bench/bench_teacher.py configs/smollm2-135m-quality.yaml \
+        run.name=q1-vocab-full vocab.draft_vocab_size=full --batches 10
 """
 
 from __future__ import annotations
@@ -37,9 +45,10 @@ from eagle3.vocab import load_vocab  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("config")
+    ap.add_argument("overrides", nargs="*", help="section.key=value, as given to the stages")
     ap.add_argument("--batches", type=int, default=20)
     args = ap.parse_args()
-    cfg = load_config(args.config)
+    cfg = load_config(args.config, args.overrides)
     tc = cfg.train
     data = HiddenStates(Stage(cfg, 2).dir)
     d2t, t2d = load_vocab(Stage(cfg, 3).dir)
@@ -61,6 +70,9 @@ def main() -> None:
             fn(b)
         return time.perf_counter() - start
 
+    if head.is_full:
+        full_head(batches, head, model, TTTSpec.of(tc), tokens, timed)
+        return
     cache = {id(b): document_stats(b.final, b.doc_end, teacher_rows(b), head) for b in batches}
 
     def teacher(b, rows: bool, cached: bool = False):
@@ -94,6 +106,33 @@ def main() -> None:
           f"rows read only): epochs after the first")
     print(f"  micro-batch, bf16     {tokens / step_cached:7.0f} tok/s "
           f"({step_bf16 / step_cached:.2f}x over uncached)")
+
+
+def full_head(batches, head, model, spec, tokens, timed) -> None:
+    """A full head's first-epoch teacher with the statistics from a second full product (as
+    before) and off the draft product (now), alone and in a bf16 micro-batch."""
+    def teacher(b, second_product: bool):
+        rows = teacher_rows(b)
+        stats = document_stats(b.final, b.doc_end, rows, head) if second_product else None
+        return make_teacher(b.final, head, rows, stats=stats)
+
+    def step(second_product: bool):
+        def run(b):
+            t = teacher(b, second_product)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss, _ = ttt_forward(model, b, t, spec)
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+        return run
+
+    two, one = timed(lambda b: teacher(b, True)), timed(lambda b: teacher(b, False))
+    step_two, step_one = timed(step(True)), timed(step(False))
+    print(f"{len(batches)} batches, {tokens} tokens, full head {tuple(head.full.shape)}, "
+          f"loss {spec.loss}, torch threads {torch.get_num_threads()}")
+    print(f"teacher, two full products  {two:7.2f} s   micro-batch bf16 {step_two:7.2f} s "
+          f"({tokens / step_two:5.0f} tok/s)")
+    print(f"teacher, one full product   {one:7.2f} s   micro-batch bf16 {step_one:7.2f} s "
+          f"({tokens / step_one:5.0f} tok/s, {step_two / step_one:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -328,19 +328,19 @@ def store_or_stream(cfg: Config, info: VerifierInfo, tokens: float, stored_bytes
     # in-process producer) or transient engine files consumed as they are trained on.
     reference = hs.check_samples * cfg.data.max_seq_len * bpt
     once = tokens / p.extract_tok_s / 3600 if p.extract_tok_s else None
-    hours = (lambda n: f"{n * once:.1f} verifier hours") if once is not None else (
+    hours = (lambda n: _verifier_time(n * once)) if once is not None else (
         lambda n: f"{n:g} verifier pass{'es' if n != 1 else ''} over the data "
                   f"(set plan.extract_tok_s for hours)")
     lines = [f"   store or stream ({cfg.train.epochs} epochs, {ranks} training rank(s); "
              f"hidden_states.mode={hs.mode}):",
-             f"     store : {stored_bytes / 1e12:8.3f} TB on disk, {hours(1)}",
-             f"     stream: {reference / 1e12:8.3f} TB on disk, {hours(epochs)}, states in flight "
+             f"     store : {_disk(stored_bytes)} on disk, {hours(1)}",
+             f"     stream: {_disk(reference)} on disk, {hours(epochs)}, states in flight "
              f"{buffer / GB:.2f} GB at most ({hs.stream_ahead} micro-batches of "
              f"{cfg.train.batch_tokens} tokens per rank, hidden_states.stream_ahead)"]
     if hs.cache_gb > 0:
         kept = min(hs.cache_gb * 1e9 / stored_bytes, 1.0) if stored_bytes else 1.0
         passes = 1 + (epochs - 1) * (1 - kept)
-        lines.append(f"     cache : {min(hs.cache_gb * 1e9, stored_bytes) / 1e12:8.3f} TB on disk "
+        lines.append(f"     cache : {_disk(min(hs.cache_gb * 1e9, stored_bytes))} on disk "
                      f"(hidden_states.cache_gb={hs.cache_gb:g}: {kept:.0%} of the states), "
                      f"{hours(round(passes, 2))}")
     free_bytes, where = free
@@ -348,13 +348,22 @@ def store_or_stream(cfg: Config, info: VerifierInfo, tokens: float, stored_bytes
         best = f"stream: storing needs {stored_bytes * 1.1 / 1e12:.2f} TB with its margin, " \
                f"{free_bytes / 1e12:.2f} TB is free at {where}"
     elif epochs > 1:
-        best = f"store: it saves {hours(epochs - 1)} for {stored_bytes / 1e12:.3f} TB of disk"
+        best = f"store: it saves {hours(epochs - 1)} for {_disk(stored_bytes).strip()} of disk"
     else:
         best = "stream: one epoch passes the verifier over the data once either way, and " \
                "streaming keeps the disk free"
     lines.append(f"     cheaper here: {best}")
     return {"lines": lines, "disk": {"store": stored_bytes, "stream": reference},
             "cheaper": best.split(":")[0]}
+
+
+def _disk(size: float) -> str:
+    """Terabytes at a node's scale, gigabytes below (a demo's states are a few GB)."""
+    return f"{size / 1e12:8.3f} TB" if size >= 1e12 else f"{size / 1e9:8.3f} GB"
+
+
+def _verifier_time(hours: float) -> str:
+    return f"{hours:.1f} verifier hours" if hours >= 1 else f"{hours * 60:.1f} verifier minutes"
 
 
 def _hours(work: float, rate: Optional[float]) -> str:
@@ -595,8 +604,8 @@ def render_plan(cfg: Config) -> tuple[str, list[Verdict]]:
              f"02 extract: ~{d['tokens'] / 1e6:.1f}M tokens: "
              f"{_hours(d['tokens'], p.extract_tok_s)}"]
     for dtype, nbytes in disk.items():
-        lines.append(f"   hidden states as {dtype}: ~{nbytes / 1e12:.2f} TB (at most "
-                     f"{disk_max[dtype] / 1e12:.2f} TB)")
+        lines.append(f"   hidden states as {dtype}: ~{_disk(nbytes).strip()} (at most "
+                     f"{_disk(disk_max[dtype]).strip()})")
     choice = store_or_stream(cfg, info, d["tokens"], disk[cfg.hidden_states.dtype],
                              free_disk(cfg))
     lines += choice["lines"]

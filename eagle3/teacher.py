@@ -11,6 +11,11 @@ sample and every later epoch reads the argmax and normalizer back:
     stats = document_stats(batch.final, batch.doc_end, needed, head, keys=keys, cache=cache)
     teacher = make_teacher(batch.final, head, needed, stats=stats)
 
+A full draft vocabulary (`VerifierHead.is_full`) needs neither: its draft product is the full
+product, so `make_teacher` reads the statistics off the logits it computes anyway (before, the
+first epoch of a 49,152-row head computed that product twice: bench/RESULTS.md "One product
+for a full head").
+
 Both statistics are computed per document (never across the documents packed beside it) so a
 cached value is bit-for-bit the value a recomputation would give, whichever micro-batch, epoch,
 rank (on the same hardware) or resumed process asks: the cache changes timing, never a number.
@@ -53,12 +58,25 @@ class VerifierHead:
             return cls(full, full)
         return cls(full, full[draft_ids].contiguous())
 
+    @property
+    def is_full(self) -> bool:
+        """The draft vocabulary is the whole vocabulary, in order: draft logits are full logits."""
+        return self.draft is self.full
+
 
 class FullStats(NamedTuple):
     """Full-vocabulary statistics of some rows, in row order."""
     argmax: torch.Tensor           # [n] long
     lse: torch.Tensor              # [n] float32
     lse_t: Optional[torch.Tensor]  # [n] float32 at the estimate's temperature, or None
+
+    @staticmethod
+    def zeros(n: int, device: torch.device, temperature: Optional[float]) -> "FullStats":
+        """n rows to fill, with `lse_t` where there is an estimate temperature."""
+        return FullStats(torch.zeros(n, dtype=torch.long, device=device),
+                         torch.zeros(n, dtype=torch.float32, device=device),
+                         torch.zeros(n, dtype=torch.float32, device=device)
+                         if temperature else None)
 
     def to(self, device: torch.device) -> "FullStats":
         return FullStats(*(None if x is None else x.to(device) for x in self))
@@ -75,16 +93,20 @@ def full_vocab_stats(states: torch.Tensor, head: VerifierHead,
     """Argmax and logsumexp (and logsumexp of logits / T) of `states` [n, H] @ the full head,
     `chunk` rows at a time so no more than chunk x V logits exist at once."""
     n = states.shape[0]
-    argmax = torch.zeros(n, dtype=torch.long, device=states.device)
-    lse = torch.zeros(n, dtype=torch.float32, device=states.device)
-    lse_t = torch.zeros_like(lse) if temperature else None
+    out = FullStats.zeros(n, states.device, temperature)
     for i in range(0, n, chunk):
-        full = states[i:i + chunk].float() @ head.full.T
-        argmax[i:i + chunk] = full.argmax(-1)
-        lse[i:i + chunk] = full.logsumexp(-1)
-        if lse_t is not None:
-            lse_t[i:i + chunk] = (full / temperature).logsumexp(-1)
-    return FullStats(argmax, lse, lse_t)
+        _write_stats(out, slice(i, i + chunk), states[i:i + chunk].float() @ head.full.T,
+                     temperature)
+    return out
+
+
+def _write_stats(out: FullStats, rows: torch.Tensor | slice, full: torch.Tensor,
+                 temperature: Optional[float]) -> None:
+    """`out`'s `rows` from those rows' full-vocabulary logits [n, V]."""
+    out.argmax[rows] = full.argmax(-1)
+    out.lse[rows] = full.logsumexp(-1)
+    if out.lse_t is not None:
+        out.lse_t[rows] = (full / temperature).logsumexp(-1)
 
 
 class TeacherCache:
@@ -156,26 +178,30 @@ def make_teacher(final: torch.Tensor, head: VerifierHead, needed: Optional[torch
 
     Only rows in `needed` ([1, T] bool, default all) are filled; the others are zero and must
     never be read (prompt positions carry no loss and need no teacher). `stats` are the needed
-    rows' full-vocabulary statistics (`document_stats`), computed here over all needed rows at
-    once when not given; `temperature` adds the log-normalizer at T for the sampled estimate.
-    The draft-vocabulary logits are always the product with the head's draft rows."""
+    rows' full-vocabulary statistics (`document_stats`). When not given they are computed here
+    over all needed rows at once: off the draft logits for a full head (the same product),
+    else from the full head. `temperature` adds the log-normalizer at T for the sampled
+    estimate. The draft-vocabulary logits are always the product with the head's draft rows."""
     flat = final.reshape(-1, final.shape[-1])
-    rows = torch.arange(flat.shape[0], device=flat.device) if needed is None else \
+    n = flat.shape[0]
+    rows = torch.arange(n, device=flat.device) if needed is None else \
         needed.reshape(-1).nonzero().squeeze(1)
-    if stats is None:
+    derive = stats is None and head.is_full
+    if stats is None and not derive:
         stats = full_vocab_stats(flat[rows], head, temperature, chunk)
-    draft = flat.new_zeros(flat.shape[0], head.draft.shape[0], dtype=torch.float32)
+    draft = flat.new_zeros(n, head.draft.shape[0], dtype=torch.float32)
+    out = FullStats.zeros(n, flat.device, temperature)
     for i in range(0, len(rows), chunk):
         r = rows[i:i + chunk]
-        draft[r] = flat[r].float() @ head.draft.T
-    argmax = torch.zeros(flat.shape[0], dtype=torch.long, device=flat.device)
-    argmax[rows] = stats.argmax.long()
-    lse = torch.zeros(flat.shape[0], dtype=torch.float32, device=flat.device)
-    lse[rows] = stats.lse
-    lse_t = None
-    if temperature:
-        lse_t = torch.zeros_like(lse)
-        lse_t[rows] = stats.lse_t
+        logits = flat[r].float() @ head.draft.T
+        draft[r] = logits
+        if derive:
+            _write_stats(out, r, logits, temperature)
+    if not derive:
+        out.argmax[rows] = stats.argmax.long()
+        out.lse[rows] = stats.lse
+        if temperature:
+            out.lse_t[rows] = stats.lse_t
     shape = final.shape[:-1]
-    return Teacher(draft.view(*shape, -1), argmax.view(shape), lse.view(shape),
-                   None if lse_t is None else lse_t.view(shape))
+    return Teacher(draft.view(*shape, -1), out.argmax.view(shape), out.lse.view(shape),
+                   None if out.lse_t is None else out.lse_t.view(shape))

@@ -103,14 +103,15 @@ def prepare_batch(samples: list[dict[str, torch.Tensor]], budget: int, device: t
     """Samples -> (packed batch on `device`, its teacher). `loss_on` (training only) widens the
     trained positions; None keeps the assistant mask (validation, benchmarks). `temperature`:
     see `make_teacher`. With a `cache`, `keys` name the samples (one each) so their
-    full-vocabulary statistics are computed once per run (`eagle3.teacher`)."""
+    full-vocabulary statistics are computed once per run (`eagle3.teacher`); a full head reads
+    them off its draft logits instead and needs no cache."""
     batch = collate(samples, budget).to(device, dtype)
     if loss_on is not None:
         batch = training_targets(batch, loss_on)
     needed = teacher_rows(batch)
-    stats = document_stats(batch.final, batch.doc_end, needed, head, temperature,
-                           None if keys is None else [(k, loss_on, temperature) for k in keys],
-                           cache)
+    stats = None if head.is_full else document_stats(
+        batch.final, batch.doc_end, needed, head, temperature,
+        None if keys is None else [(k, loss_on, temperature) for k in keys], cache)
     return batch, make_teacher(batch.final, head, needed, temperature, stats)
 
 
@@ -187,10 +188,16 @@ def acceptance_probability(draft_logits: torch.Tensor, teacher_logits: torch.Ten
     the draft vocabulary, p = the verifier's full-vocabulary softmax at T restricted to V_d
     (`exp(teacher_logits / T - lse)`, `lse` its full log-normalizer at T): the probability that
     speculative sampling accepts the draft's token (LK paper eq. for the acceptance rate; at
-    most p(V_d), the verifier's mass the drafter can propose)."""
-    q = torch.softmax(draft_logits.float() / temperature, dim=-1)
-    p = torch.exp(teacher_logits.float() / temperature - lse[..., None])
-    return torch.minimum(p, q).sum(-1)
+    most p(V_d), the verifier's mass the drafter can propose). Two [.., V_d] float32 buffers,
+    updated in place: `lk_lambda` runs this over every row of every TTT step before its loss."""
+    z, t = draft_logits.float(), teacher_logits.float()
+    q = torch.softmax(z / temperature if temperature != 1.0 else z, dim=-1)
+    p = (torch.div(t, temperature).sub_(lse[..., None]) if temperature != 1.0 else
+         torch.sub(t, lse[..., None]))
+    p.exp_()
+    # in q's buffer unless autograd needs q (the tests' reference losses differentiate this)
+    return (torch.minimum(p, q) if q.requires_grad or p.requires_grad else
+            torch.minimum(p, q, out=q)).sum(-1)
 
 
 LOSS_CHUNK: Optional[int] = None

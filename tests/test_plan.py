@@ -187,6 +187,8 @@ def test_the_plan_weighs_storing_against_streaming():
     assert "30.0 verifier hours" in roomy["lines"][2] and "10.0 verifier hours" in \
         roomy["lines"][1]
     assert roomy["disk"]["stream"] < 1e10
+    small = store_or_stream(cfg, info, 72e4, 4.0e10, (10 ** 14, Path("/big")))["lines"]
+    assert "40.000 GB on disk, 6.0 verifier minutes" in small[1]  # a demo's scale reads
     full = store_or_stream(cfg, info, tokens, stored, (10 ** 12, Path("/small")))
     assert full["cheaper"] == "stream" and "1.00 TB is free at /small" in full["lines"][-1]
     once = load_config(kimi, ["train.epochs=1"])

@@ -115,3 +115,27 @@ def test_one_process_share_keeps_entries_and_clears_the_fresh_list():
     expected = full_vocab_stats(b.final[0], hd)
     got = cache.get("x", b.final[0], hd, None)
     assert torch.equal(got.argmax.long(), expected.argmax) and torch.equal(got.lse, expected.lse)
+
+
+def test_a_full_head_reads_its_statistics_off_its_own_draft_logits():
+    """With the whole vocabulary as draft vocabulary the draft product is the full product: the
+    statistics come from those logits (one product, not two), so p restricted to the draft
+    vocabulary is exactly p, and no cache entry is made or needed."""
+    g = torch.Generator().manual_seed(3)
+    hd, cache = VerifierHead.of(torch.randn(V, H, generator=g), torch.arange(V)), TeacherCache()
+    assert hd.is_full and not head().is_full
+    samples = docs([40, 23, 31])
+    batch, t = prepare_batch(samples, 1000, torch.device("cpu"), torch.float32, hd,
+                             loss_on="assistant", temperature=0.6, keys=[1, 2, 3], cache=cache)
+    assert not cache.entries
+    rows = teacher_rows(batch)[0]
+    logits = t.draft_logits[0][rows]
+    assert torch.equal(t.argmax[0][rows], logits.argmax(-1))
+    assert torch.equal(t.lse[0][rows], logits.logsumexp(-1))
+    assert torch.equal(t.lse_t[0][rows], (logits / 0.6).logsumexp(-1))
+    # the same numbers as the separate full-vocabulary statistics
+    two = make_teacher(batch.final, hd, teacher_rows(batch), 0.6, stats=document_stats(
+        batch.final, batch.doc_end, teacher_rows(batch), hd, 0.6))
+    assert torch.equal(t.argmax, two.argmax) and torch.equal(t.draft_logits, two.draft_logits)
+    torch.testing.assert_close(t.lse, two.lse, rtol=0, atol=1e-5)
+    torch.testing.assert_close(t.lse_t, two.lse_t, rtol=0, atol=1e-5)
