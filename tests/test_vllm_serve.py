@@ -76,17 +76,20 @@ YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}
 
 
 @pytest.mark.parametrize("layout", ["speculators-save-pretrained", "aq-medai", "yarn-llama"])
-def test_converted_drafters_serve_in_vllm(tmp_path, smollm2, layout):
+def test_converted_drafters_serve_in_vllm(tmp_path, smollm2, cpu_flags, layout):
     """`05_fix_keys.py --from` a drafter written by speculators' own save_pretrained, one in
     AQ-MedAI's midlayer.* layout (embedding shipped), and one in that layout with YaRN rope
     scaling (lightseekorg's Llama-layer Kimi drafter's form): vLLM serves the vLLM export,
-    drafting from the aux layers we trained on."""
+    drafting from the aux layers we trained on. Served as an AVX2-only CPU serves them (AVX2
+    kernels, float32), whatever this CPU has: the native kernels serve the random drafter above
+    and the trained one in tests/test_e2e.py."""
     from test_convert import aq_medai_dir, convert_dir, drafter_for, speculators_dir
 
-    from conftest import make_config
+    from conftest import AVX2_ENV, AVX2_FLAGS, make_config
     from eagle3 import bench, engines
     from eagle3.config import ServerConfig
 
+    cpu_flags(AVX2_FLAGS)  # `dtype: native` as an AVX2 CPU resolves it: float32
     model = drafter_for(smollm2, heads=9, kv_heads=3)  # SmolLM2's embedding and head shape
     if layout in ("aq-medai", "yarn-llama"):
         # Written for SGLang and a Llama verifier: [1,2,3] - 1.
@@ -98,7 +101,7 @@ def test_converted_drafters_serve_in_vllm(tmp_path, smollm2, layout):
                 "--dtype", "bfloat16")
     cfg = make_config(tmp_path, smollm2)
     server = ServerConfig(startup_timeout_s=240.0, max_model_len=512, dtype="native",
-                          extra_args=["--enforce-eager"], env=VLLM_CPU_ENV)
+                          extra_args=["--enforce-eager"], env={**VLLM_CPU_ENV, **AVX2_ENV})
     log = tmp_path / "vllm.log"
     with engines.start_server("vllm", cfg, server, "test", log, max_model_len=512,
                               args=bench.vllm_speculative_args(tmp_path / "out" / "vllm", 3)
@@ -114,6 +117,8 @@ def test_converted_drafters_serve_in_vllm(tmp_path, smollm2, layout):
     text = log.read_text()
     assert "Using auxiliary layers from speculative config: (1, 2, 3)" in text
     assert "Attempted to load weight" not in text
+    assert "eagle3 plugin: vLLM-CPU kernels loaded: _C_AVX2\n" in text
+    assert "dtype=torch.float32" in text
     if layout == "yarn-llama":
         written = json.loads((tmp_path / "out" / "vllm" / "config.json").read_text())
         scaling = written.get("rope_scaling") or written.get("rope_parameters")
