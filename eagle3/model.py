@@ -509,6 +509,51 @@ def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
     return TTTAttention.apply(q, k0, v0, kd, vd, scale, chunk, fused_kernel(q))
 
 
+class DecodeCache:
+    """One layer's keys and values for decoding one sequence incrementally, as an engine keeps
+    them (the reference decoder): the step-0 keys of every position drafted from the
+    verifier's own states, kept from round to round like a KV cache, and the last position's
+    keys of the current draft chain's later steps, dropped when the next round adds positions.
+    A query sees what the same query of the training forward sees (`_DiagonalAttention`): the
+    step-0 keys at or before it and its own position's later-step keys, so decoding the last
+    position costs one row where the training forward would recompute the whole sequence."""
+
+    def __init__(self) -> None:
+        self.k0: Optional[torch.Tensor] = None
+        self.v0: Optional[torch.Tensor] = None
+        self.chain: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None
+
+    def extend(self) -> None:
+        """The next step adds positions (step 0 from their verifier states)."""
+        self.chain = None
+
+    def draft(self) -> None:
+        """The next steps are the last position's later steps (a new chain)."""
+        self.chain = []
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+               ) -> torch.Tensor:
+        """Attention output `[B, heads, T, d]` of the step's queries, after storing its keys."""
+        if self.chain is None:
+            self.k0 = k if self.k0 is None else torch.cat([self.k0, k], dim=2)
+            self.v0 = v if self.v0 is None else torch.cat([self.v0, v], dim=2)
+            keys, values = self.k0, self.v0
+            P, T = keys.shape[2], q.shape[2]
+            positions = torch.arange(P, device=q.device)
+            visible = positions[None] <= positions[P - T:, None]          # [T, P] causal
+        else:
+            if q.shape[2] != 1:
+                raise ValueError("a draft chain step decodes the last position only")
+            self.chain.append((k, v))
+            keys = torch.cat([self.k0, *(kj for kj, _ in self.chain)], dim=2)
+            values = torch.cat([self.v0, *(vj for _, vj in self.chain)], dim=2)
+            visible = None
+        scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale
+        if visible is not None:
+            scores = scores.masked_fill(~visible, float("-inf"))
+        return torch.matmul(torch.softmax(scores, dim=-1).to(q.dtype), values)
+
+
 class _DiagonalAttention(nn.Module):
     """Attention that also attends to the same position's earlier TTT steps; subclasses make
     the queries, keys and values (`qkv`) and own `o_proj`.
@@ -530,19 +575,22 @@ class _DiagonalAttention(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: DocMask | torch.Tensor, cache: list[tuple[torch.Tensor, torch.Tensor]]
-                ) -> torch.Tensor:
+                mask: Optional[DocMask | torch.Tensor],
+                cache: list[tuple[torch.Tensor, torch.Tensor]] | DecodeCache) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self.qkv(x, cos, sin)
-        cache.append((k, v))
-        spans = mask.spans() if isinstance(mask, DocMask) else None
-        if spans is None:
-            dense = mask.dense() if isinstance(mask, DocMask) else mask
-            out = self._attend(q, cache, 0, T, dense)
-        elif len(spans) == 1:
-            out = self._attend(q, cache, 0, T, None)
+        if isinstance(cache, DecodeCache):
+            out = cache.attend(q, k, v, self.scale)
         else:
-            out = torch.cat([self._attend(q, cache, s, e, None) for s, e in spans], dim=2)
+            cache.append((k, v))
+            spans = mask.spans() if isinstance(mask, DocMask) else None
+            if spans is None:
+                dense = mask.dense() if isinstance(mask, DocMask) else mask
+                out = self._attend(q, cache, 0, T, dense)
+            elif len(spans) == 1:
+                out = self._attend(q, cache, 0, T, None)
+            else:
+                out = torch.cat([self._attend(q, cache, s, e, None) for s, e in spans], dim=2)
         out = out[..., :self.out_dim].transpose(1, 2).reshape(B, T, self.n_heads * self.out_dim)
         return self.o_proj(out)
 
@@ -700,8 +748,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, h: torch.Tensor, embeds: Optional[torch.Tensor], cos: torch.Tensor,
-                sin: torch.Tensor, mask: DocMask | torch.Tensor,
-                cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+                sin: torch.Tensor, mask: Optional[DocMask | torch.Tensor],
+                cache: list[tuple[torch.Tensor, torch.Tensor]] | DecodeCache) -> torch.Tensor:
         if self.first:
             normed = self.hidden_norm(h)
             residual = normed if self.norm_before_residual else h
@@ -739,6 +787,10 @@ class Eagle3DraftModel(nn.Module):
         """Per-layer key/value lists: entry j holds TTT step j's keys and values."""
         return [[] for _ in self.layers]
 
+    def new_decode_cache(self) -> list[DecodeCache]:
+        """Per-layer caches for decoding one sequence incrementally (`DecodeCache`)."""
+        return [DecodeCache() for _ in self.layers]
+
     def project(self, aux: torch.Tensor) -> torch.Tensor:
         """Verifier aux states `[B, T, n_aux*Ht]` -> initial draft hidden state `[B, T, H]`."""
         if self.fc_norm is not None:
@@ -747,7 +799,8 @@ class Eagle3DraftModel(nn.Module):
         return self.fc(aux)
 
     def step(self, h: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
-             mask: DocMask | torch.Tensor, cache: list[list[tuple[torch.Tensor, torch.Tensor]]]
+             mask: Optional[DocMask | torch.Tensor],
+             cache: list[list[tuple[torch.Tensor, torch.Tensor]]] | list[DecodeCache]
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft step: returns (the hidden state the next step reads, draft-vocab logits).
         That state is the layer's pre-norm output, or with `norm_output` (EAGLE-3.1) the
@@ -756,7 +809,9 @@ class Eagle3DraftModel(nn.Module):
         h `[B, T, H]`, input_ids `[B, T]` (the token after each aux position, shifted by the
         step), positions `[B, T]` (RoPE positions, + step), mask over step-0 keys: a `DocMask`
         (`causal_doc_mask`) or a `[B or 1, 1, T, T]` bool tensor. `cache` carries earlier
-        steps' keys; call with a fresh one at step 0.
+        steps' keys; call with a fresh one at step 0. With `new_decode_cache()` (decoding one
+        sequence, B = 1) the positions are new ones or the last one's later step, as the cache
+        says (`DecodeCache`), and `mask` is None.
         """
         embeds = self.embed_tokens(input_ids).to(h.dtype)
         cos, sin = rope_cos_sin(positions, self.cfg.rope_dim, self.cfg.rope_theta, h.dtype,

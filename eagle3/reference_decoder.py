@@ -10,11 +10,12 @@ The drafter is read from the vLLM export through the same reader as any base dra
 this decoder on the same prompts has a fault of its own (docs/engines.md, "Engine parity").
 
 One round, for a chain of `k` drafts (the engines' chain drafting):
-1. Draft: the drafter runs over the whole sequence from the verifier's aux states (step 0:
-   state t with token t+1 at RoPE position t), then k - 1 more steps at the last position
-   only, each fed its own pre-norm hidden state and the previous draft: exactly the
-   training-time-test unrolling (`Eagle3DraftModel.step`) read at the last position.
-   Recomputed every round: simple over fast.
+1. Draft: step 0 over the positions whose aux states arrived since the last round (state t
+   with token t+1 at RoPE position t; their keys join the drafter's cache, as in an engine),
+   then k - 1 more steps at the last position only, each fed its own pre-norm hidden state
+   and the previous draft: the training-time-test unrolling (`Eagle3DraftModel.step`) read
+   at the last position, computed for that position alone (`DecodeCache`;
+   tests/test_reference_decoder.py checks it against the whole unrolling).
 2. Verify: one verifier forward over [last token, drafts] on its KV cache.
 3. Accept: at T = 0 the longest prefix equal to the verifier's argmax, then the verifier's
    token. At T > 0 speculative sampling: draft d is accepted with min(1, p(d) / q(d)), p the
@@ -39,7 +40,7 @@ from typing import Any, Optional
 import torch
 
 from eagle3.config import Config, default_aux_layer_ids
-from eagle3.model import Eagle3DraftModel, causal_doc_mask
+from eagle3.model import DecodeCache, Eagle3DraftModel
 from eagle3.runs import StageError
 
 
@@ -103,21 +104,27 @@ class ReferenceDecoder:
         return out.logits[0].float(), aux
 
     def _draft(self, feats: torch.Tensor, context: list[int], k: int, temperature: float,
-               sampled: bool, generator: torch.Generator
+               sampled: bool, generator: torch.Generator, cache: list[DecodeCache]
                ) -> tuple[list[int], list[Optional[torch.Tensor]]]:
         """k draft tokens (target ids) after `context`, and for sampled drafts the drafter's
-        distribution over the target vocabulary each was drawn from (None: greedy)."""
+        distribution over the target vocabulary each was drawn from (None: greedy). `cache`
+        holds the step-0 keys of the positions drafted from in earlier rounds; the rest of
+        `feats` is new."""
         d = self.drafter
         n = feats.shape[0]  # = len(context) - 1: the last token has no aux state yet
-        dtype = d.fc.weight.dtype
-        h = d.project(feats[None].to(dtype))
-        ids = torch.tensor([context[1:]], device=self.device)
-        positions = torch.arange(n, device=self.device)[None]
-        mask = causal_doc_mask(torch.zeros(1, n, dtype=torch.long, device=self.device))
-        cache = d.new_cache()
+        done = 0 if cache[0].k0 is None else cache[0].k0.shape[2]
+        h = d.project(feats[None, done:].to(d.fc.weight.dtype))
+        ids = torch.tensor([context[done + 1:]], device=self.device)
+        positions = torch.arange(done, n, device=self.device)[None]
+        for layer in cache:
+            layer.extend()
         drafts, dists = [], []
         for step in range(k):
-            h, logits = d.step(h, ids, positions + step, mask, cache)
+            h, logits = d.step(h, ids, positions, None, cache)
+            if step == 0:
+                for layer in cache:
+                    layer.draft()
+                h, positions = h[:, -1:], positions[:, -1:]
             last = logits[0, -1].float()
             if sampled:
                 probs = torch.softmax(last / temperature, dim=-1)
@@ -129,7 +136,7 @@ class ReferenceDecoder:
             target = int(d.draft_to_target(torch.tensor(pick, device=self.device)))
             drafts.append(target)
             dists.append(dist)
-            ids = torch.cat([ids[:, 1:], torch.tensor([[target]], device=self.device)], dim=1)
+            ids, positions = torch.tensor([[target]], device=self.device), positions + 1
         return drafts, dists
 
     @staticmethod
@@ -166,7 +173,7 @@ class ReferenceDecoder:
         start = time.time()
         generator = torch.Generator(device=self.device).manual_seed(seed)
         sampled = temperature > 0 and draft_sample == "probabilistic"
-        cache = DynamicCache()
+        cache, draft_cache = DynamicCache(), self.drafter.new_decode_cache()
         logits, feats = self._verifier_step(list(prompt_ids), cache)
         if temperature == 0:
             first = int(logits[-1].argmax())
@@ -175,7 +182,8 @@ class ReferenceDecoder:
         out = Decoded(tokens=[first], accepted_hist=[0] * (k + 1))
         while len(out.tokens) < max_tokens and out.tokens[-1] not in self.stop_ids:
             context = list(prompt_ids) + out.tokens
-            drafts, dists = self._draft(feats, context, k, temperature, sampled, generator)
+            drafts, dists = self._draft(feats, context, k, temperature, sampled, generator,
+                                        draft_cache)
             logits, aux = self._verifier_step([context[-1], *drafts], cache)
             n, follow = self._judge(logits, drafts, dists, temperature, generator)
             out.rounds += 1

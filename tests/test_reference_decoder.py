@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from eagle3.model import DraftModelConfig, Eagle3DraftModel
+from eagle3.model import DraftModelConfig, Eagle3DraftModel, causal_doc_mask
 from eagle3.reference_decoder import ReferenceDecoder, acceptance
 
 
@@ -66,7 +66,7 @@ def test_greedy_is_lossless_when_drafts_are_accepted(monkeypatch):
     dec = ReferenceDecoder(verifier, drafter_for(verifier, 512, seed=4), [1, 2, 3], [])
     rounds = itertools.count()
 
-    def oracle(feats, context, k, temperature, sampled, generator):
+    def oracle(feats, context, k, temperature, sampled, generator, cache):
         done = len(context) - len(prompt)
         right = next(rounds) % (k + 1)  # 0..k drafts right, then a wrong one
         drafts = [truth[done + i] if i < right else (truth[done + i] + 1) % 512
@@ -81,6 +81,69 @@ def test_greedy_is_lossless_when_drafts_are_accepted(monkeypatch):
     stats = acceptance([out], 3)
     assert stats["mean_acceptance_length"] == pytest.approx(1 + out.accepted / out.rounds)
     assert stats["per_position_acceptance"][0] >= stats["per_position_acceptance"][2]
+
+
+def whole_unrolling(d: Eagle3DraftModel, feats: torch.Tensor, context: list[int],
+                    drafts: list[int]) -> list[torch.Tensor]:
+    """Each step's last-row logits, fed `drafts`, from the training forward over the whole
+    sequence (step 0 over every position, each later step over every position again)."""
+    n = feats.shape[0]
+    h = d.project(feats[None])
+    ids = torch.tensor([context[1:]])
+    positions = torch.arange(n)[None]
+    mask, cache = causal_doc_mask(torch.zeros(1, n, dtype=torch.long)), d.new_cache()
+    rows = []
+    for step, draft in enumerate(drafts):
+        h, logits = d.step(h, ids, positions + step, mask, cache)
+        rows.append(logits[0, -1])
+        ids = torch.cat([ids[:, 1:], torch.tensor([[draft]])], dim=1)
+    return rows
+
+
+@pytest.mark.parametrize("attention", ["mha", "mla", "mha-2-layers-eagle31"])
+def test_drafting_from_the_cache_equals_the_whole_unrolling(attention):
+    """Round after round (1 to k + 1 positions added each time, as acceptance adds them), what
+    the decoder drafts from its cache is what the training forward over the whole sequence
+    gives at the last position: greedy drafts its argmax tokens, sampled drafts are drawn from
+    its distributions."""
+    from test_mla import mla_config
+
+    torch.manual_seed(0)
+    V, Vd, H, k = 96, 64, 48, 3
+    cfg = mla_config(vocab_size=V, draft_vocab_size=Vd) if attention == "mla" else \
+        DraftModelConfig(hidden_size=H, target_hidden_size=H, num_aux=3, intermediate_size=64,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+                         num_layers=2 if "2-layers" in attention else 1, rms_norm_eps=1e-6,
+                         rope_theta=10000.0, max_position_embeddings=512, vocab_size=V,
+                         draft_vocab_size=Vd, fc_norm="eagle31" in attention,
+                         norm_output="eagle31" in attention)
+    d = Eagle3DraftModel(cfg)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+        d.d2t.copy_(torch.arange(Vd) % 7)  # a map that is not the identity
+    d.eval()
+    dec = ReferenceDecoder(torch.nn.Linear(1, 1), d, [1, 2, 3], [])
+    total = 60
+    feats = torch.randn(total, 3 * H)
+    context = torch.randint(0, V, (total + 1,)).tolist()
+    target = d.draft_to_target(torch.arange(Vd))
+    cache, n, rounds = d.new_decode_cache(), 17, 0
+    with torch.no_grad():
+        while n <= total:
+            sampled = rounds % 2 == 1
+            drafts, dists = dec._draft(feats[:n], context[:n + 1], k, 0.7, sampled,
+                                       torch.Generator().manual_seed(rounds), cache)
+            rows = whole_unrolling(d, feats[:n], context[:n + 1], drafts)
+            for draft, dist, row in zip(drafts, dists, rows):
+                if sampled:
+                    assert torch.allclose(dist[target], torch.softmax(row / 0.7, -1),
+                                          atol=1e-5), (n, attention)  # fp32 rounding
+                else:
+                    assert draft == int(target[row.argmax()]), (n, attention)
+            rounds += 1
+            n += 1 + rounds % (k + 1)
+    assert rounds >= 10
 
 
 def exact_distribution(verifier, prompt: list[int], n: int, temperature: float) -> dict:
