@@ -189,7 +189,11 @@ class ReferenceDecoder:
             out.rounds += 1
             out.accepted += n
             out.accepted_hist[n] += 1
-            cache.crop(len(context) + n)  # the last token and the accepted drafts
+            # keep the last token and the accepted drafts (a negative count removes tokens;
+            # transformers has deprecated the positive one, which gives the length to keep)
+            rejected = cache.get_seq_length() - (len(context) + n)
+            if rejected:
+                cache.crop(-rejected)
             feats = torch.cat([feats, aux[:n + 1]])
             for token in [*drafts[:n], follow]:
                 out.tokens.append(token)
