@@ -523,6 +523,11 @@ class DecodeCache:
         self.v0: Optional[torch.Tensor] = None
         self.chain: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None
 
+    @property
+    def length(self) -> int:
+        """Positions whose step-0 keys are held."""
+        return 0 if self.k0 is None else self.k0.shape[2]
+
     def extend(self) -> None:
         """The next step adds positions (step 0 from their verifier states)."""
         self.chain = None

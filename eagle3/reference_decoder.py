@@ -112,7 +112,7 @@ class ReferenceDecoder:
         `feats` is new."""
         d = self.drafter
         n = feats.shape[0]  # = len(context) - 1: the last token has no aux state yet
-        done = 0 if cache[0].k0 is None else cache[0].k0.shape[2]
+        done = cache[0].length
         h = d.project(feats[None, done:].to(d.fc.weight.dtype))
         ids = torch.tensor([context[done + 1:]], device=self.device)
         positions = torch.arange(done, n, device=self.device)[None]
